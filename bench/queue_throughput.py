@@ -1,0 +1,170 @@
+"""Queue throughput: claim -> start -> complete of no-op tasks, against pgbench on the same server.
+
+    python bench/queue_throughput.py [--url URL] [--workers 1,4,16] [--tasks 20000]
+
+Each worker is its own process with its own connection. Modes: ``single`` (claim_task,
+start_task, complete_task per task) and ``batch`` (the Worker loop: claim_tasks of --batch,
+start_tasks, complete_tasks). Layouts: ``adjacent`` (a store's tasks consecutive in claim order,
+the hard case) and ``interleaved``. The pgbench figure is single-row UPDATE transactions per
+second at 16 clients, measured in the same run; the ratio is tasks/s over that TPS.
+"""
+
+import argparse
+import multiprocessing as mp
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tq_pipelines.db.migrate import migrate  # noqa: E402
+from tq_pipelines.queue import TaskQueue  # noqa: E402
+from tq_pipelines.worker import Worker  # noqa: E402
+
+ROLE = "product_resync"
+BENCH_DB = "tq_bench"
+
+
+def recreate_db(server: str, name: str) -> str:
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return make_conninfo(server, dbname=name)
+
+
+def load(url: str, tasks: int, stores: int, layout: str) -> None:
+    per_store = tasks // stores
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("TRUNCATE worker_tasks, worker_task_heads, worker_task_stores, worker_registry CASCADE")
+        conn.execute("DELETE FROM dispensaries")
+        conn.execute(
+            """
+            INSERT INTO dispensaries (name, menu_type, platform_dispensary_id)
+            SELECT 'store ' || g, 'dutchie', 'pid-' || g FROM generate_series(1, %s) g
+            """,
+            (stores,),
+        )
+        order = "d.id, k" if layout == "adjacent" else "k, d.id"
+        conn.execute(
+            sql.SQL(
+                """
+                INSERT INTO worker_tasks (role, dispensary_id, platform)
+                SELECT %s, d.id, 'dutchie'
+                FROM dispensaries d CROSS JOIN generate_series(1, %s) k
+                ORDER BY {}
+                """
+            ).format(sql.SQL(order)),
+            (ROLE, per_store),
+        )
+        conn.execute("VACUUM ANALYZE worker_tasks")
+        conn.execute("VACUUM ANALYZE worker_task_heads")
+        conn.execute("VACUUM ANALYZE worker_task_stores")
+
+
+def _single(queue: TaskQueue, worker_id: str) -> int:
+    done = 0
+    while (task := queue.claim(ROLE, worker_id)) is not None:
+        queue.start(task.id, worker_id)
+        done += queue.complete(task.id, worker_id, None)
+    return done
+
+
+def _worker(url: str, mode: str, batch: int, n: int, barrier, out) -> None:  # type: ignore[no-untyped-def]
+    with TaskQueue.connect(url, min_size=1, max_size=1) as queue:
+        worker_id = f"bench-{n}"
+        queue.claim_many("analytics_refresh", worker_id, 1)  # connect and warm the session
+        barrier.wait()
+        if mode == "single":
+            done = _single(queue, worker_id)
+        else:
+            stats = Worker(queue, ROLE, lambda task, ctx: None, worker_id=worker_id, batch_size=batch).run()
+            done = stats.completed
+        out.put((done, time.monotonic()))
+
+
+def run_queue(url: str, workers: int, mode: str, batch: int) -> tuple[int, float]:
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(workers + 1)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(url, mode, batch, n, barrier, out)) for n in range(workers)]
+    for p in procs:
+        p.start()
+    barrier.wait()
+    start = time.monotonic()
+    results = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    done = sum(r[0] for r in results)
+    return done, max(r[1] for r in results) - start
+
+
+def run_pgbench(server: str, seconds: int, clients: int = 16) -> float:
+    if shutil.which("pgbench") is None:
+        raise SystemExit("pgbench not found: install postgresql-client (Debian: postgresql-contrib)")
+    url = recreate_db(server, "tq_bench_pgbench")
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id INT PRIMARY KEY, v BIGINT NOT NULL DEFAULT 0)")
+        conn.execute("INSERT INTO t (id) SELECT generate_series(1, 100000)")
+        conn.execute("VACUUM ANALYZE t")
+    with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False) as script:
+        script.write("\\set id random(1, 100000)\nUPDATE t SET v = v + 1 WHERE id = :id;\n")
+    params = conninfo_to_dict(url)
+    env = {**os.environ}
+    for key, var in (("host", "PGHOST"), ("port", "PGPORT"), ("user", "PGUSER"), ("password", "PGPASSWORD")):
+        if params.get(key):
+            env[var] = str(params[key])
+    out = subprocess.run(
+        ["pgbench", "-n", "-M", "prepared", "-c", str(clients), "-j", "2", "-T", str(seconds),
+         "-f", script.name, str(params["dbname"])],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout
+    os.unlink(script.name)
+    match = re.search(r"tps = ([\d.]+)", out)
+    assert match, out
+    return float(match.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
+                        help="a server where the bench may create databases")
+    parser.add_argument("--workers", default="1,4,16")
+    parser.add_argument("--modes", default="single,batch")
+    parser.add_argument("--layouts", default="adjacent,interleaved")
+    parser.add_argument("--tasks", type=int, default=20000)
+    parser.add_argument("--stores", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=20)
+    parser.add_argument("--pgbench-seconds", type=int, default=10)
+    args = parser.parse_args()
+
+    tps = run_pgbench(args.url, args.pgbench_seconds)
+    print(f"pgbench single-row UPDATE, 16 clients: {tps:,.0f} TPS\n")
+    url = recreate_db(args.url, BENCH_DB)
+    migrate(url)
+    print("| layout | mode | workers | tasks | seconds | tasks/s | x pgbench TPS |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for layout in args.layouts.split(","):
+        for mode in args.modes.split(","):
+            for workers in (int(w) for w in args.workers.split(",")):
+                load(url, args.tasks, args.stores, layout)
+                done, seconds = run_queue(url, workers, mode, args.batch)
+                assert done == args.tasks, f"{done} of {args.tasks} completed"
+                rate = done / seconds
+                label = mode if mode == "single" else f"batch {args.batch}"
+                print(f"| {layout} | {label} | {workers} | {done} | {seconds:.2f} | {rate:,.0f} | {rate / tps:.2f} |",
+                      flush=True)
+    tps_after = run_pgbench(args.url, args.pgbench_seconds)
+    print(f"\npgbench again after the runs: {tps_after:,.0f} TPS")
+
+
+if __name__ == "__main__":
+    main()

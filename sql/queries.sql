@@ -1,0 +1,94 @@
+-- Named statements called by tq_pipelines (see tq_pipelines/db/queries.py). Every statement is a
+-- thin call of a function from sql/migrations, so that the rules live in one place: the database.
+
+-- name: claim_tasks
+SELECT * FROM claim_tasks(%(role)s, %(worker_id)s, %(max_tasks)s);
+
+-- name: start_task
+SELECT start_task(%(task_id)s, %(worker_id)s) AS ok;
+
+-- name: start_tasks
+SELECT start_tasks(%(worker_id)s, %(task_ids)s) AS ids;
+
+-- name: heartbeat_tasks
+SELECT heartbeat_tasks(%(worker_id)s, %(task_ids)s) AS ids;
+
+-- name: complete_task
+SELECT complete_task(%(task_id)s, %(worker_id)s, %(result)s) AS ok;
+
+-- name: complete_tasks
+SELECT complete_tasks(%(worker_id)s, %(task_ids)s, %(results)s::JSONB[]) AS ids;
+
+-- name: fail_task
+SELECT fail_task(%(task_id)s, %(worker_id)s, %(error)s, %(retryable)s) AS status;
+
+-- name: cancel_task
+SELECT cancel_task(%(task_id)s) AS ok;
+
+-- name: register_worker
+SELECT register_worker(%(worker_id)s, %(role)s, %(pod_name)s, %(hostname)s);
+
+-- name: deregister_worker
+SELECT deregister_worker(%(worker_id)s) AS ok;
+
+-- name: recover_stale_tasks
+SELECT recovered, failed, workers_offline
+FROM recover_stale_tasks_report(%(threshold_minutes)s);
+
+-- name: generate_resync_tasks
+SELECT generate_resync_tasks(%(batches_per_day)s, %(day)s, %(platforms)s) AS created;
+
+-- name: refresh_task_completion_log
+SELECT refresh_task_completion_log(%(day)s, %(hour)s) AS rows;
+
+-- name: completion_log_hour
+SELECT role, tasks_created, tasks_completed, tasks_failed,
+       avg_duration_sec, min_duration_sec, max_duration_sec
+FROM task_completion_log
+WHERE date = %(day)s
+  AND hour = %(hour)s
+ORDER BY role;
+
+-- name: enqueue_task
+INSERT INTO worker_tasks (role, dispensary_id, platform, priority, scheduled_for, max_retries)
+VALUES (%(role)s, %(dispensary_id)s, %(platform)s, %(priority)s, %(scheduled_for)s, %(max_retries)s)
+RETURNING id;
+
+-- name: get_task
+SELECT * FROM worker_tasks WHERE id = %(task_id)s;
+
+-- name: worker_capacity
+SELECT * FROM v_worker_capacity ORDER BY role;
+
+-- name: list_roles
+SELECT role FROM worker_task_roles ORDER BY role;
+
+-- name: stuck_tasks
+-- Active tasks whose owner has been silent past the threshold: what recovery will give back.
+SELECT count(*) AS stuck
+FROM worker_tasks
+WHERE status IN ('claimed', 'running')
+  AND coalesce(last_heartbeat_at, started_at, claimed_at, updated_at)
+      < now() - make_interval(mins => %(threshold_minutes)s);
+
+-- name: migrations_lock
+-- One migrator at a time; a second waits here, then finds the work done.
+SELECT pg_advisory_lock(%(key)s);
+
+-- name: migrations_unlock
+SELECT pg_advisory_unlock(%(key)s);
+
+-- name: migrations_table
+CREATE TABLE IF NOT EXISTS tq_migrations (
+  version TEXT PRIMARY KEY,
+  name TEXT NOT NULL,
+  checksum TEXT NOT NULL,
+  applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+
+-- name: migrations_applied
+SELECT version, name, checksum FROM tq_migrations ORDER BY version;
+
+-- name: migrations_record
+INSERT INTO tq_migrations (version, name, checksum)
+VALUES (%(version)s, %(name)s, %(checksum)s);

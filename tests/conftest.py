@@ -1,0 +1,83 @@
+"""Real PostgreSQL for every test: ``TQ_TEST_DATABASE_URL``, else an embedded server.
+
+The migrations run once into a template database; each test gets its own copy
+(``CREATE DATABASE ... TEMPLATE``), so tests commit freely and run on many connections.
+"""
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from tq_pipelines.db import embedded
+from tq_pipelines.db.migrate import migrate
+from tq_pipelines.queue import TaskQueue
+
+
+def _admin(url: str) -> psycopg.Connection:
+    return psycopg.connect(url, autocommit=True)
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A URL to a server where tests may create databases."""
+    url = os.environ.get("TQ_TEST_DATABASE_URL")
+    if url:
+        return url
+    return embedded.start(tmp_path_factory.mktemp("pg") / "data", stop_at_exit=True)
+
+
+def create_database(server: str, template: str | None = None) -> str:
+    name = f"tq_test_{uuid.uuid4().hex[:12]}"
+    statement = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template:
+        statement += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
+    with _admin(server) as conn:
+        conn.execute(statement)
+    return name
+
+
+def drop_database(server: str, name: str) -> None:
+    with _admin(server) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server: str) -> Iterator[str]:
+    name = create_database(pg_server)
+    migrate(make_conninfo(pg_server, dbname=name))
+    yield name
+    drop_database(pg_server, name)
+
+
+@pytest.fixture
+def empty_db_url(pg_server: str) -> Iterator[str]:
+    """A database with nothing in it."""
+    name = create_database(pg_server)
+    yield make_conninfo(pg_server, dbname=name)
+    drop_database(pg_server, name)
+
+
+@pytest.fixture
+def db_url(pg_server: str, template_db: str) -> Iterator[str]:
+    """A fresh, migrated database of this test's own."""
+    name = create_database(pg_server, template=template_db)
+    yield make_conninfo(pg_server, dbname=name)
+    drop_database(pg_server, name)
+
+
+@pytest.fixture
+def conn(db_url: str) -> Iterator[psycopg.Connection]:
+    """An autocommit connection to the test's database, for setup and audits."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        yield c
+
+
+@pytest.fixture
+def queue(db_url: str) -> Iterator[TaskQueue]:
+    with TaskQueue.connect(db_url, max_size=8) as q:
+        yield q

@@ -1,0 +1,63 @@
+"""Setup and audit helpers shared by the tests."""
+
+import psycopg
+
+
+def add_stores(conn: psycopg.Connection, count: int, *, platform: str = "dutchie", enabled: bool = True) -> list[int]:
+    """Insert ``count`` crawlable stores; returns their ids in order."""
+    rows = conn.execute(
+        """
+        INSERT INTO dispensaries (name, menu_type, platform_dispensary_id, crawl_enabled)
+        SELECT 'store ' || g, %s, 'pid-' || g, %s
+        FROM generate_series(1, %s) AS g
+        RETURNING id
+        """,
+        (platform, enabled, count),
+    ).fetchall()
+    return sorted(r[0] for r in rows)
+
+
+def add_tasks(conn: psycopg.Connection, role: str, store_ids: list[int], per_store: int, *, adjacent: bool = True) -> int:
+    """``per_store`` pending tasks for each store, one INSERT. Adjacent: a store's tasks have
+    consecutive ids (the hard layout for a claim); else interleaved round-robin."""
+    conn.execute(
+        """
+        INSERT INTO worker_tasks (role, dispensary_id, platform)
+        SELECT %(role)s, s.id, 'dutchie'
+        FROM unnest(%(stores)s::int[]) WITH ORDINALITY AS s(id, n)
+        CROSS JOIN generate_series(1, %(per)s) AS k
+        ORDER BY CASE WHEN %(adjacent)s THEN s.n ELSE k END, CASE WHEN %(adjacent)s THEN k ELSE s.n END
+        """,
+        {"role": role, "stores": store_ids, "per": per_store, "adjacent": adjacent},
+    )
+    return len(store_ids) * per_store
+
+
+def status_counts(conn: psycopg.Connection) -> dict[str, int]:
+    return dict(conn.execute("SELECT status, count(*) FROM worker_tasks GROUP BY status").fetchall())
+
+
+def assert_store_state_consistent(conn: psycopg.Connection) -> None:
+    """worker_task_stores and worker_task_heads agree with worker_tasks."""
+    wrong_active = conn.execute(
+        """
+        SELECT s.dispensary_id, s.active_task_id, t.id
+        FROM worker_task_stores s
+        FULL JOIN (SELECT id, dispensary_id FROM worker_tasks
+                   WHERE status IN ('claimed', 'running') AND dispensary_id IS NOT NULL) t
+          ON t.dispensary_id = s.dispensary_id
+        WHERE s.active_task_id IS DISTINCT FROM t.id
+        """
+    ).fetchall()
+    assert wrong_active == [], f"store active task disagrees with worker_tasks: {wrong_active}"
+    # Heads may be optimistic, never pessimistic: every pending task is covered by its head.
+    uncovered = conn.execute(
+        """
+        SELECT t.id
+        FROM worker_tasks t
+        LEFT JOIN worker_task_heads h ON h.role = t.role AND h.dispensary_id = t.dispensary_id
+        WHERE t.status = 'pending' AND t.dispensary_id IS NOT NULL
+          AND (h.role IS NULL OR h.priority < t.priority OR h.due_at > t.due_at)
+        """
+    ).fetchall()
+    assert uncovered == [], f"pending tasks not covered by a head: {uncovered}"

@@ -1,0 +1,5 @@
+import sys
+
+from tq_pipelines.cli import main
+
+sys.exit(main())

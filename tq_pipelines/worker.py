@@ -1,0 +1,262 @@
+"""A worker that drains one role: claim in batches, run handlers, keep leases, report outcomes.
+
+Plain Python over :class:`TaskQueue`; Dagster's drain op wraps it, and a process outside Dagster
+can run it the same way.
+"""
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from tq_pipelines.queue import JSON, Task, TaskQueue
+
+log = logging.getLogger(__name__)
+
+
+class PermanentTaskError(Exception):
+    """Raised by a handler for a failure that a retry cannot fix: the task fails at once."""
+
+
+@dataclass
+class TaskContext:
+    """What a handler gets besides its task."""
+
+    task: Task
+    worker_id: str
+    log: logging.Logger
+    lease_lost: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def lost(self) -> bool:
+        """True once the worker no longer owns the task: stop, the result will be discarded."""
+        return self.lease_lost.is_set()
+
+
+Handler = Callable[[Task, TaskContext], JSON]
+
+
+@dataclass
+class DrainStats:
+    """What one :meth:`Worker.run` did. Times are ``time.monotonic()`` seconds."""
+
+    claimed: int = 0
+    completed: int = 0
+    retried: int = 0
+    failed: int = 0
+    lost: int = 0
+    claims: int = 0
+    handler_seconds: float = 0.0
+    first_claim_at: float | None = None
+    last_finish_at: float | None = None
+
+    @property
+    def drain_seconds(self) -> float:
+        """From the first claim to the last outcome recorded."""
+        if self.first_claim_at is None or self.last_finish_at is None:
+            return 0.0
+        return self.last_finish_at - self.first_claim_at
+
+    @property
+    def tasks_per_second(self) -> float:
+        done = self.completed + self.failed + self.retried
+        return done / self.drain_seconds if self.drain_seconds > 0 else 0.0
+
+
+@dataclass
+class _Outcome:
+    ctx: TaskContext
+    result_json: str | None = None
+    error: str | None = None
+    retryable: bool = True
+    seconds: float = 0.0
+
+
+def default_worker_id(role: str) -> str:
+    return f"{role}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"[:100]
+
+
+class Worker:
+    """Drains ``role`` with ``handler`` until the queue is empty or the time budget is spent.
+
+    ``concurrency`` handlers run at once (1 runs them inline). Claims are batched (``batch_size``),
+    completions are written in one transaction per batch, and a background thread heartbeats the
+    leases every ``heartbeat_seconds``, flagging tasks whose lease was lost. A handler exception
+    fails its task (retried with backoff unless it is a :class:`PermanentTaskError`); it never
+    stops the worker. If the process dies, ``recover_stale_tasks`` gives its tasks back.
+    """
+
+    def __init__(
+        self,
+        queue: TaskQueue,
+        role: str,
+        handler: Handler,
+        *,
+        worker_id: str | None = None,
+        batch_size: int = 20,
+        concurrency: int = 1,
+        heartbeat_seconds: float = 30.0,
+        time_budget_seconds: float | None = None,
+        idle_poll_seconds: float | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if batch_size < 1 or concurrency < 1 or heartbeat_seconds <= 0:
+            raise ValueError("batch_size and concurrency must be >= 1, heartbeat_seconds > 0")
+        self.queue = queue
+        self.role = role
+        self.handler = handler
+        self.worker_id = worker_id or default_worker_id(role)
+        self.batch_size = batch_size
+        self.concurrency = concurrency
+        self.heartbeat_seconds = heartbeat_seconds
+        self.time_budget_seconds = time_budget_seconds
+        self.idle_poll_seconds = idle_poll_seconds
+        self.log = logger or log
+        self.stats = DrainStats()
+        self._in_flight: dict[int, TaskContext] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Ask the worker to stop claiming; it finishes what it holds."""
+        self._stop.set()
+
+    def run(self) -> DrainStats:
+        self.queue.register_worker(self.worker_id, self.role, hostname=socket.gethostname())
+        started = time.monotonic()
+        heartbeat = threading.Thread(target=self._heartbeat_loop, name="tq-heartbeat", daemon=True)
+        heartbeat.start()
+        pool = ThreadPoolExecutor(self.concurrency, "tq-handler") if self.concurrency > 1 else None
+        running: dict[Future[_Outcome], TaskContext] = {}
+        try:
+            while True:
+                budget_left = (
+                    self.time_budget_seconds is None
+                    or time.monotonic() - started < self.time_budget_seconds
+                )
+                claimed: list[Task] = []
+                if budget_left and not self._stop.is_set() and len(running) < self.concurrency:
+                    # With a pool, claim ahead up to one extra round so that threads never idle.
+                    want = self.batch_size if pool is None else 2 * self.concurrency - len(running)
+                    claimed = self._claim(min(want, self.batch_size))
+                if claimed:
+                    outcomes = (
+                        [self._run_one(ctx) for ctx in self._contexts(claimed)]
+                        if pool is None
+                        else self._submit(pool, running, claimed)
+                    )
+                elif running:
+                    done, _ = wait(running, timeout=self.heartbeat_seconds, return_when=FIRST_COMPLETED)
+                    outcomes = [f.result() for f in done]
+                    for f in done:
+                        del running[f]
+                elif budget_left and not self._stop.is_set() and self.idle_poll_seconds:
+                    self._stop.wait(self.idle_poll_seconds)
+                    continue
+                else:
+                    break
+                self._record(outcomes)
+        finally:
+            self._stop.set()
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=False)
+            heartbeat.join()
+            self.queue.deregister_worker(self.worker_id)
+        return self.stats
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def _claim(self, want: int) -> list[Task]:
+        tasks = self.queue.claim_many(self.role, self.worker_id, want)
+        self.stats.claims += 1
+        if not tasks:
+            return []
+        if self.stats.first_claim_at is None:
+            self.stats.first_claim_at = time.monotonic()
+        self.stats.claimed += len(tasks)
+        started = self.queue.start_many(self.worker_id, [t.id for t in tasks])
+        # A task cancelled between claim and start is no longer ours.
+        self.stats.lost += len(tasks) - len(started)
+        return [t for t in tasks if t.id in started]
+
+    def _contexts(self, tasks: list[Task]) -> list[TaskContext]:
+        contexts = [TaskContext(t, self.worker_id, self.log) for t in tasks]
+        with self._lock:
+            self._in_flight.update((c.task.id, c) for c in contexts)
+        return contexts
+
+    def _submit(
+        self, pool: ThreadPoolExecutor, running: dict[Future[_Outcome], TaskContext], tasks: list[Task]
+    ) -> list[_Outcome]:
+        for ctx in self._contexts(tasks):
+            running[pool.submit(self._run_one, ctx)] = ctx
+        return []
+
+    def _run_one(self, ctx: TaskContext) -> _Outcome:
+        began = time.monotonic()
+        outcome = _Outcome(ctx)
+        try:
+            result = self.handler(ctx.task, ctx)
+            try:
+                outcome.result_json = json.dumps(result)
+            except (TypeError, ValueError) as exc:
+                outcome.error = f"handler result is not JSON-serialisable: {exc}"
+                outcome.retryable = False
+        except PermanentTaskError as exc:
+            outcome.error = f"{type(exc).__name__}: {exc}"
+            outcome.retryable = False
+        except Exception as exc:
+            outcome.error = f"{type(exc).__name__}: {exc}"
+        outcome.seconds = time.monotonic() - began
+        return outcome
+
+    def _record(self, outcomes: list[_Outcome]) -> None:
+        if not outcomes:
+            return
+        successes = {o.ctx.task.id: o.result_json for o in outcomes if o.error is None and not o.ctx.lost}
+        completed = self.queue.complete_many_json(self.worker_id, successes)  # type: ignore[arg-type]
+        self.stats.completed += len(completed)
+        self.stats.lost += len(successes) - len(completed)
+        for o in outcomes:
+            self.stats.handler_seconds += o.seconds
+            if o.ctx.lost:
+                self.stats.lost += 1
+            elif o.error is not None:
+                status = self.queue.fail(o.ctx.task.id, self.worker_id, o.error, retryable=o.retryable)
+                if status == "pending":
+                    self.stats.retried += 1
+                elif status == "failed":
+                    self.stats.failed += 1
+                    self.log.warning("task %s failed: %s", o.ctx.task.id, o.error)
+                else:
+                    self.stats.lost += 1
+        with self._lock:
+            for o in outcomes:
+                self._in_flight.pop(o.ctx.task.id, None)
+        self.stats.last_finish_at = time.monotonic()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_seconds):
+            self.heartbeat()
+
+    def heartbeat(self) -> set[int]:
+        """Extend every held lease now; flags the tasks whose lease was lost. Returns those ids."""
+        with self._lock:
+            held = dict(self._in_flight)
+        try:
+            owned = self.queue.heartbeat(self.worker_id, list(held))
+        except Exception:
+            # A missed heartbeat is not fatal: the lease outlives several intervals.
+            self.log.exception("heartbeat failed")
+            return set()
+        lost = set(held) - owned
+        for task_id in lost:
+            held[task_id].lease_lost.set()
+            self.log.warning("lease lost on task %s: its result will be discarded", task_id)
+        return lost
