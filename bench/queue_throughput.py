@@ -3,8 +3,9 @@
     python bench/queue_throughput.py [--url URL] [--workers 1,4,16] [--tasks 20000]
 
 Each worker is its own process with its own connection. Modes: ``single`` (claim_task,
-start_task, complete_task per task) and ``batch`` (the Worker loop: claim_tasks of --batch,
-start_tasks, complete_tasks). Layouts: ``adjacent`` (a store's tasks consecutive in claim order,
+start_task, complete_task: three calls per task), ``batch`` (claim_tasks of --batch, start_tasks,
+complete_tasks: three calls per batch) and ``worker`` (the Worker loop that the drain runs use:
+claim_tasks with start, then complete_tasks: two calls and two row updates per task). Layouts: ``adjacent`` (a store's tasks consecutive in claim order,
 the hard case) and ``interleaved``. The pgbench figure is single-row UPDATE transactions per
 second at 16 clients, measured in the same run; the ratio is tasks/s over that TPS.
 """
@@ -70,12 +71,23 @@ def load(url: str, tasks: int, stores: int, layout: str) -> None:
         conn.execute("VACUUM ANALYZE worker_task_stores")
 
 
-def _single(queue: TaskQueue, worker_id: str) -> int:
-    done = 0
+def _single(queue: TaskQueue, worker_id: str) -> tuple[int, int]:
+    done = claims = 0
     while (task := queue.claim(ROLE, worker_id)) is not None:
+        claims += 1
         queue.start(task.id, worker_id)
         done += queue.complete(task.id, worker_id, None)
-    return done
+    return done, claims + 1
+
+
+def _batch(queue: TaskQueue, worker_id: str, batch: int) -> tuple[int, int]:
+    done = claims = 0
+    while tasks := queue.claim_many(ROLE, worker_id, batch):
+        claims += 1
+        ids = [t.id for t in tasks]
+        queue.start_many(worker_id, ids)
+        done += len(queue.complete_many(worker_id, dict.fromkeys(ids)))
+    return done, claims + 1
 
 
 def _worker(url: str, mode: str, batch: int, n: int, barrier, out) -> None:  # type: ignore[no-untyped-def]
@@ -84,14 +96,16 @@ def _worker(url: str, mode: str, batch: int, n: int, barrier, out) -> None:  # t
         queue.claim_many("analytics_refresh", worker_id, 1)  # connect and warm the session
         barrier.wait()
         if mode == "single":
-            done = _single(queue, worker_id)
+            done, claims = _single(queue, worker_id)
+        elif mode == "batch":
+            done, claims = _batch(queue, worker_id, batch)
         else:
             stats = Worker(queue, ROLE, lambda task, ctx: None, worker_id=worker_id, batch_size=batch).run()
-            done = stats.completed
-        out.put((done, time.monotonic()))
+            done, claims = stats.completed, stats.claims
+        out.put((done, claims, time.monotonic()))
 
 
-def run_queue(url: str, workers: int, mode: str, batch: int) -> tuple[int, float]:
+def run_queue(url: str, workers: int, mode: str, batch: int) -> tuple[int, int, float]:
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(workers + 1)
     out = ctx.Queue()
@@ -103,8 +117,7 @@ def run_queue(url: str, workers: int, mode: str, batch: int) -> tuple[int, float
     results = [out.get() for _ in procs]
     for p in procs:
         p.join()
-    done = sum(r[0] for r in results)
-    return done, max(r[1] for r in results) - start
+    return sum(r[0] for r in results), sum(r[1] for r in results), max(r[2] for r in results) - start
 
 
 def run_pgbench(server: str, seconds: int, clients: int = 16) -> float:
@@ -138,7 +151,7 @@ def main() -> None:
     parser.add_argument("--url", default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
                         help="a server where the bench may create databases")
     parser.add_argument("--workers", default="1,4,16")
-    parser.add_argument("--modes", default="single,batch")
+    parser.add_argument("--modes", default="single,batch,worker")
     parser.add_argument("--layouts", default="adjacent,interleaved")
     parser.add_argument("--tasks", type=int, default=20000)
     parser.add_argument("--stores", type=int, default=200)
@@ -150,18 +163,19 @@ def main() -> None:
     print(f"pgbench single-row UPDATE, 16 clients: {tps:,.0f} TPS\n")
     url = recreate_db(args.url, BENCH_DB)
     migrate(url)
-    print("| layout | mode | workers | tasks | seconds | tasks/s | x pgbench TPS |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| layout | mode | workers | tasks | claim calls | seconds | tasks/s | x pgbench TPS |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for layout in args.layouts.split(","):
         for mode in args.modes.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
                 load(url, args.tasks, args.stores, layout)
-                done, seconds = run_queue(url, workers, mode, args.batch)
+                done, claims, seconds = run_queue(url, workers, mode, args.batch)
                 assert done == args.tasks, f"{done} of {args.tasks} completed"
                 rate = done / seconds
-                label = mode if mode == "single" else f"batch {args.batch}"
-                print(f"| {layout} | {label} | {workers} | {done} | {seconds:.2f} | {rate:,.0f} | {rate / tps:.2f} |",
-                      flush=True)
+                label = {"single": "single", "batch": f"batch {args.batch}",
+                         "worker": f"Worker, batch {args.batch}"}[mode]
+                print(f"| {layout} | {label} | {workers} | {done} | {claims} | {seconds:.2f} | {rate:,.0f} "
+                      f"| {rate / tps:.2f} |", flush=True)
     tps_after = run_pgbench(args.url, args.pgbench_seconds)
     print(f"\npgbench again after the runs: {tps_after:,.0f} TPS")
 

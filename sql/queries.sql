@@ -2,7 +2,7 @@
 -- thin call of a function from sql/migrations, so that the rules live in one place: the database.
 
 -- name: claim_tasks
-SELECT * FROM claim_tasks(%(role)s, %(worker_id)s, %(max_tasks)s);
+SELECT * FROM claim_tasks(%(role)s, %(worker_id)s, %(max_tasks)s, %(start)s);
 
 -- name: start_task
 SELECT start_task(%(task_id)s, %(worker_id)s) AS ok;
@@ -67,7 +67,11 @@ SELECT role FROM worker_task_roles ORDER BY role;
 -- Active tasks whose owner has been silent past the threshold: what recovery will give back.
 SELECT count(*) AS stuck
 FROM worker_tasks
-WHERE status IN ('claimed', 'running')
+WHERE id IN (
+    SELECT id FROM worker_tasks WHERE status IN ('claimed', 'running') AND dispensary_id IS NOT NULL
+    UNION ALL
+    SELECT id FROM worker_tasks WHERE status IN ('claimed', 'running') AND dispensary_id IS NULL
+  )
   AND coalesce(last_heartbeat_at, started_at, claimed_at, updated_at)
       < now() - make_interval(mins => %(threshold_minutes)s);
 

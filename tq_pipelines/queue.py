@@ -2,7 +2,7 @@
 
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date, datetime
@@ -10,7 +10,7 @@ from decimal import Decimal
 from typing import Any, Literal, Self
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import RowFactory, dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
@@ -55,13 +55,17 @@ class Task:
     resync_date: date | None
     due_at: datetime
 
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> Self:
-        # Columns added by later migrations are ignored until the class learns them.
-        return cls(**{f: row[f] for f in _TASK_FIELDS})
 
 
 _TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
+
+
+def task_row(cursor: psycopg.Cursor[Any]) -> Callable[[Sequence[Any]], Task]:
+    """A psycopg row factory for ``worker_tasks`` rows: positional, no dict per row. Columns
+    added by later migrations are ignored until the class learns them."""
+    names = [c.name for c in cursor.description or ()]
+    positions = [names.index(f) for f in _TASK_FIELDS] if names else []
+    return lambda values: Task(*[values[i] for i in positions])
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +130,8 @@ class TaskQueue:
         self.close()
 
     @contextmanager
-    def _cursor(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
-        with self.pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+    def _cursor(self, row_factory: RowFactory[Any] = dict_row) -> Iterator[psycopg.Cursor[Any]]:
+        with self.pool.connection() as conn, conn.cursor(row_factory=row_factory) as cur:
             try:
                 yield cur
             except psycopg.errors.InvalidParameterValue as exc:
@@ -148,14 +152,15 @@ class TaskQueue:
         tasks = self.claim_many(role, worker_id, 1)
         return tasks[0] if tasks else None
 
-    def claim_many(self, role: str, worker_id: str, max_tasks: int) -> list[Task]:
-        """Up to ``max_tasks`` due tasks of ``role``, at most one per store, best first."""
-        with self._cursor() as cur:
-            rows = cur.execute(
-                query("claim_tasks"),
-                {"role": role, "worker_id": worker_id, "max_tasks": max_tasks},
-            ).fetchall()
-        return [Task.from_row(r) for r in rows]
+    def claim_many(self, role: str, worker_id: str, max_tasks: int, *, start: bool = False) -> list[Task]:
+        """Up to ``max_tasks`` due tasks of ``role``, at most one per store, best first.
+
+        With ``start`` they are running at once (one update per task instead of two), for a
+        worker that begins every task it claims straight away.
+        """
+        params = {"role": role, "worker_id": worker_id, "max_tasks": max_tasks, "start": start}
+        with self._cursor(task_row) as cur:
+            return cur.execute(query("claim_tasks"), params).fetchall()
 
     # A worker's calls on its tasks ------------------------------------------------------------
 
@@ -257,9 +262,9 @@ class TaskQueue:
         return int(self._one("enqueue_task", params)["id"])
 
     def get(self, task_id: int) -> Task | None:
-        with self._cursor() as cur:
-            row = cur.execute(query("get_task"), {"task_id": task_id}).fetchone()
-        return Task.from_row(row) if row else None
+        with self._cursor(task_row) as cur:
+            task: Task | None = cur.execute(query("get_task"), {"task_id": task_id}).fetchone()
+        return task
 
     def capacity(self) -> list[RoleCapacity]:
         """``v_worker_capacity``, one entry per known role."""

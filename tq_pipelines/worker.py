@@ -142,8 +142,9 @@ class Worker:
                 )
                 claimed: list[Task] = []
                 if budget_left and not self._stop.is_set() and len(running) < self.concurrency:
-                    # With a pool, claim ahead up to one extra round so that threads never idle.
-                    want = self.batch_size if pool is None else 2 * self.concurrency - len(running)
+                    # With a pool, only as many as there are free threads: a task counts as
+                    # running from its claim, so it must not wait in the pool's queue.
+                    want = self.batch_size if pool is None else self.concurrency - len(running)
                     claimed = self._claim(min(want, self.batch_size))
                 if claimed:
                     outcomes = (
@@ -173,17 +174,14 @@ class Worker:
     # -- steps ------------------------------------------------------------------------------------
 
     def _claim(self, want: int) -> list[Task]:
-        tasks = self.queue.claim_many(self.role, self.worker_id, want)
+        # Claimed and started in one statement: every task claimed here begins straight away.
+        tasks = self.queue.claim_many(self.role, self.worker_id, want, start=True)
         self.stats.claims += 1
-        if not tasks:
-            return []
-        if self.stats.first_claim_at is None:
-            self.stats.first_claim_at = time.monotonic()
-        self.stats.claimed += len(tasks)
-        started = self.queue.start_many(self.worker_id, [t.id for t in tasks])
-        # A task cancelled between claim and start is no longer ours.
-        self.stats.lost += len(tasks) - len(started)
-        return [t for t in tasks if t.id in started]
+        if tasks:
+            if self.stats.first_claim_at is None:
+                self.stats.first_claim_at = time.monotonic()
+            self.stats.claimed += len(tasks)
+        return tasks
 
     def _contexts(self, tasks: list[Task]) -> list[TaskContext]:
         contexts = [TaskContext(t, self.worker_id, self.log) for t in tasks]

@@ -92,10 +92,13 @@ CREATE INDEX IF NOT EXISTS idx_worker_tasks_store_due
 CREATE INDEX IF NOT EXISTS idx_worker_tasks_loose_pending
   ON worker_tasks (role, priority DESC, due_at, id)
   WHERE status = 'pending' AND dispensary_id IS NULL;
--- Unfinished work: capacity counts and stale recovery, never a walk over history.
-CREATE INDEX IF NOT EXISTS idx_worker_tasks_live
-  ON worker_tasks (status, role)
-  WHERE status IN ('pending', 'claimed', 'running');
+-- Active tasks without a store; those with one are in idx_worker_tasks_unique_active_store. With
+-- the pending indexes above they cover all unfinished work: capacity counts and stale recovery
+-- never walk history. (One index over all unfinished work would cost every claim, start and
+-- completion an extra index entry.)
+CREATE INDEX IF NOT EXISTS idx_worker_tasks_loose_active
+  ON worker_tasks (worker_id)
+  WHERE status IN ('claimed', 'running') AND dispensary_id IS NULL;
 -- Finished work by time: capacity's last hour and the hourly rollup.
 CREATE INDEX IF NOT EXISTS idx_worker_tasks_finished
   ON worker_tasks (completed_at)
@@ -214,9 +217,12 @@ BEGIN
   END IF;
 
   IF is_active AND (NOT was_active OR moved) AND NEW.dispensary_id IS NOT NULL THEN
-    INSERT INTO worker_task_stores AS s (dispensary_id, active_task_id)
-    VALUES (NEW.dispensary_id, NEW.id)
-    ON CONFLICT (dispensary_id) DO UPDATE SET active_task_id = excluded.active_task_id;
+    UPDATE worker_task_stores SET active_task_id = NEW.id WHERE dispensary_id = NEW.dispensary_id;
+    IF NOT FOUND THEN
+      INSERT INTO worker_task_stores AS s (dispensary_id, active_task_id)
+      VALUES (NEW.dispensary_id, NEW.id)
+      ON CONFLICT (dispensary_id) DO UPDATE SET active_task_id = excluded.active_task_id;
+    END IF;
   ELSIF NEW.status = 'pending' AND NEW.dispensary_id IS NOT NULL THEN
     INSERT INTO worker_task_stores (dispensary_id)
     VALUES (NEW.dispensary_id)
@@ -347,21 +353,23 @@ $$ LANGUAGE plpgsql;
 CREATE OR REPLACE FUNCTION claim_tasks(
   p_role VARCHAR,
   p_worker_id VARCHAR,
-  p_max_tasks INTEGER
+  p_max_tasks INTEGER,
+  p_start BOOLEAN DEFAULT false
 ) RETURNS SETOF worker_tasks AS $$
 DECLARE
   v_stores INTEGER[];
   v_loose INTEGER[];
 BEGIN
-  PERFORM tq_require_role(p_role);
-  PERFORM tq_require_worker(p_worker_id);
+  IF p_worker_id IS NULL OR btrim(p_worker_id) = '' THEN
+    RAISE EXCEPTION 'worker_id must not be empty' USING ERRCODE = '22023';
+  END IF;
   IF p_max_tasks IS NULL OR p_max_tasks NOT BETWEEN 1 AND 1000 THEN
     RAISE EXCEPTION 'max_tasks must be between 1 and 1000, got %', coalesce(p_max_tasks::TEXT, 'NULL')
       USING ERRCODE = '22023';
   END IF;
 
-  -- Pick idle stores with due work from the heads (one row per store, so busy stores cost one
-  -- row each, not one per pending task), and store-less tasks directly; best first overall.
+  -- Pick idle stores with due work from the heads (one row per store, so a busy store costs one
+  -- row, not one per pending task), and store-less tasks directly; best first overall.
   -- Locking the store row is what serialises claims of one store: a claim that loses the race
   -- skips the store instead of tripping over idx_worker_tasks_unique_active_store.
   WITH by_store AS (
@@ -400,9 +408,13 @@ BEGIN
   FROM best;
 
   IF v_stores IS NULL AND v_loose IS NULL THEN
+    -- Checked here, off the hot path: an unknown role is an error, not an empty queue.
+    PERFORM tq_require_role(p_role);
     RETURN;
   END IF;
 
+  -- The store locks taken above keep other claims away from these stores; the status check in
+  -- the UPDATE (re-evaluated if a cancel got there first) keeps a cancelled task cancelled.
   RETURN QUERY
   WITH picked AS (
     SELECT t.id
@@ -416,22 +428,22 @@ BEGIN
         AND t.due_at <= now()
       ORDER BY t.priority DESC, t.due_at, t.id
       LIMIT 1
-      FOR UPDATE OF t SKIP LOCKED
     ) t
     UNION ALL
     SELECT unnest(v_loose)
   ),
   claimed AS (
     UPDATE worker_tasks t
-    SET status = 'claimed',
+    SET status = CASE WHEN p_start THEN 'running' ELSE 'claimed' END,
         worker_id = p_worker_id,
         claimed_at = now(),
-        started_at = NULL,
+        started_at = CASE WHEN p_start THEN now() END,
         completed_at = NULL,
         -- A fresh lease: a recovered task's old heartbeat must not count against its new owner.
         last_heartbeat_at = now()
     FROM picked p
     WHERE t.id = p.id
+      AND t.status = 'pending'
     RETURNING t.*
   )
   SELECT * FROM claimed c ORDER BY c.priority DESC, c.due_at, c.id;
@@ -448,7 +460,7 @@ CREATE OR REPLACE FUNCTION claim_task(p_role VARCHAR, p_worker_id VARCHAR) RETUR
 DECLARE
   v_task worker_tasks;
 BEGIN
-  SELECT * INTO v_task FROM claim_tasks(p_role, p_worker_id, 1);
+  SELECT * INTO v_task FROM claim_tasks(p_role, p_worker_id, 1, false);
   RETURN v_task;
 END;
 $$ LANGUAGE plpgsql;
@@ -705,7 +717,15 @@ BEGIN
         started_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.started_at END,
         last_heartbeat_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.last_heartbeat_at END,
         completed_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE now() END
-    WHERE t.status IN ('claimed', 'running')
+    WHERE t.id IN (
+        -- One branch per partial index over active tasks.
+        SELECT a.id FROM worker_tasks a
+        WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NOT NULL
+        UNION ALL
+        SELECT a.id FROM worker_tasks a
+        WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NULL
+      )
+      AND t.status IN ('claimed', 'running')
       AND coalesce(t.last_heartbeat_at, t.started_at, t.claimed_at, t.updated_at) < v_cutoff
     RETURNING t.status
   )
@@ -856,7 +876,21 @@ $$ LANGUAGE plpgsql;
 -- Views: the original columns, computed from unfinished work and the last hour only.
 ------------------------------------------------------------------------------------------------
 CREATE VIEW v_worker_capacity AS
-WITH live AS (
+WITH unfinished AS (
+  -- One branch per partial index, so that history is never scanned.
+  SELECT role, status, due_at, worker_id FROM worker_tasks
+  WHERE status = 'pending' AND dispensary_id IS NOT NULL
+  UNION ALL
+  SELECT role, status, due_at, worker_id FROM worker_tasks
+  WHERE status = 'pending' AND dispensary_id IS NULL
+  UNION ALL
+  SELECT role, status, due_at, worker_id FROM worker_tasks
+  WHERE status IN ('claimed', 'running') AND dispensary_id IS NOT NULL
+  UNION ALL
+  SELECT role, status, due_at, worker_id FROM worker_tasks
+  WHERE status IN ('claimed', 'running') AND dispensary_id IS NULL
+),
+live AS (
   SELECT
     role,
     count(*) FILTER (WHERE status = 'pending') AS pending_tasks,
@@ -864,8 +898,7 @@ WITH live AS (
     count(*) FILTER (WHERE status = 'claimed') AS claimed_tasks,
     count(*) FILTER (WHERE status = 'running') AS running_tasks,
     count(DISTINCT worker_id) FILTER (WHERE status IN ('claimed', 'running')) AS active_workers
-  FROM worker_tasks
-  WHERE status IN ('pending', 'claimed', 'running')
+  FROM unfinished
   GROUP BY role
 ),
 recent AS (
@@ -931,6 +964,6 @@ COMMENT ON TABLE worker_task_heads IS 'Per role and store with pending work: bes
 COMMENT ON VIEW v_worker_capacity IS 'Real-time capacity planning metrics per role';
 COMMENT ON VIEW v_task_history IS 'Task history with dispensary details for UI';
 COMMENT ON FUNCTION claim_task(VARCHAR, VARCHAR) IS 'Claim the best due task of a role; NULL when none';
-COMMENT ON FUNCTION claim_tasks(VARCHAR, VARCHAR, INTEGER) IS 'Claim up to N due tasks of a role, at most one per store';
+COMMENT ON FUNCTION claim_tasks(VARCHAR, VARCHAR, INTEGER, BOOLEAN) IS 'Claim (and, with p_start, start) up to N due tasks of a role, at most one per store';
 COMMENT ON FUNCTION recover_stale_tasks(INTEGER) IS 'Give back tasks of silent workers; returns how many went back to pending';
 COMMENT ON FUNCTION generate_resync_tasks(INTEGER, DATE, TEXT[]) IS 'Create one day''s product_resync tasks in batches; idempotent';

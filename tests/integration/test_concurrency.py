@@ -18,7 +18,7 @@ PER_STORE = 100
 def _overlaps(db_url: str, stop: threading.Event, seen: list[tuple[int, int]]) -> None:
     """Watch for two active tasks of one store while the workers run."""
     with psycopg.connect(db_url, autocommit=True) as conn:
-        while not stop.is_set():
+        while not stop.wait(0.005):
             seen.extend(
                 conn.execute(
                     """
@@ -30,10 +30,19 @@ def _overlaps(db_url: str, stop: threading.Event, seen: list[tuple[int, int]]) -
             )
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_32_workers_drain_20000_adjacent_tasks_exactly_once(db_url: str, conn: psycopg.Connection, batch: int):
+@pytest.mark.parametrize(
+    ("batch", "per_store", "start"),
+    [
+        pytest.param(1, 10, False, id="claim_task-style, 2000 tasks"),
+        pytest.param(8, PER_STORE, False, id="claim_tasks, 20000 tasks"),
+        pytest.param(8, PER_STORE, True, id="claim_tasks with start, 20000 tasks"),
+    ],
+)
+def test_32_workers_drain_adjacent_tasks_exactly_once(
+    db_url: str, conn: psycopg.Connection, batch: int, per_store: int, start: bool
+):
     stores = add_stores(conn, STORES)
-    total = add_tasks(conn, "product_resync", stores, PER_STORE, adjacent=True)
+    total = add_tasks(conn, "product_resync", stores, per_store, adjacent=True)
     claimed: list[list[int]] = [[] for _ in range(WORKERS)]
     completed: list[list[int]] = [[] for _ in range(WORKERS)]
     errors: list[BaseException] = []
@@ -46,13 +55,19 @@ def test_32_workers_drain_20000_adjacent_tasks_exactly_once(db_url: str, conn: p
             worker_id = f"w{n}"
             try:
                 while True:
-                    tasks = queue.claim_many("product_resync", worker_id, batch)
+                    if batch == 1:
+                        task = queue.claim("product_resync", worker_id)
+                        tasks = [task] if task else []
+                    else:
+                        tasks = queue.claim_many("product_resync", worker_id, batch, start=start)
                     if not tasks:
                         return
                     ids = [t.id for t in tasks]
                     claimed[n].extend(ids)
                     assert len({t.dispensary_id for t in tasks}) == len(tasks)
-                    assert queue.start_many(worker_id, ids) == set(ids)
+                    assert {t.status for t in tasks} == {"running" if start else "claimed"}
+                    if not start:
+                        assert queue.start_many(worker_id, ids) == set(ids)
                     done = queue.complete_many(worker_id, {i: {"by": worker_id} for i in ids})
                     completed[n].extend(done)
             except BaseException as exc:

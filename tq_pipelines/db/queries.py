@@ -1,4 +1,5 @@
-"""Named SQL statements from ``sql/queries.sql``: ``-- name: x`` blocks, bound parameters only."""
+"""Named SQL statements: the ``-- name: x`` blocks of ``sql/*.sql`` (migrations and the schema
+snapshot aside), called by name with bound parameters only."""
 
 import re
 from functools import cache
@@ -28,7 +29,15 @@ def parse(text: str) -> dict[str, sql.SQL]:
 
 @cache
 def queries() -> dict[str, sql.SQL]:
-    return parse((sql_dir() / "queries.sql").read_text())
+    found: dict[str, sql.SQL] = {}
+    for path in sorted(sql_dir().glob("*.sql")):
+        if path.name == "schema.sql":
+            continue
+        for name, statement in parse(path.read_text()).items():
+            if name in found:
+                raise ValueError(f"query {name!r} is defined twice ({path.name})")
+            found[name] = statement
+    return found
 
 
 def query(name: str) -> sql.SQL:
