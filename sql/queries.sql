@@ -96,3 +96,10 @@ SELECT version, name, checksum FROM tq_migrations ORDER BY version;
 -- name: migrations_record
 INSERT INTO tq_migrations (version, name, checksum)
 VALUES (%(version)s, %(name)s, %(checksum)s);
+
+-- name: database_exists
+SELECT 1 FROM pg_database WHERE datname = %(name)s;
+
+-- name: create_database
+-- {name} is a psycopg.sql.Identifier: CREATE DATABASE takes no bound parameters.
+CREATE DATABASE {name};

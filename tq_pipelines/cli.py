@@ -3,10 +3,14 @@
 import argparse
 import dataclasses
 import json
+import os
+import signal
+import subprocess
 import sys
 from datetime import UTC, date, datetime
+from pathlib import Path
 
-from tq_pipelines.db import database_url, embedded
+from tq_pipelines.db import dagster_database_url, database_url, embedded, sqlalchemy_url
 from tq_pipelines.db.migrate import MigrationError, migrate
 from tq_pipelines.queue import QueueInputError, TaskQueue
 
@@ -62,6 +66,45 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_dev(args: argparse.Namespace) -> int:
+    """Database up and migrated, then `dagster dev` in the foreground; Ctrl-C stops it all."""
+    home = Path(args.home).resolve()
+    if not (home / "dagster.yaml").is_file() or not (home / "workspace.yaml").is_file():
+        print(f"tq dev: no dagster.yaml and workspace.yaml in {home} (run it from the checkout)", file=sys.stderr)
+        return 2
+    own_server = not os.environ.get("TQ_DATABASE_URL")
+    url = database_url()
+    applied = migrate(url)
+    print(f"tq dev: queue database {'embedded, ' if own_server else ''}migrated ({len(applied)} new)")
+    env = {
+        **os.environ,
+        "TQ_DATABASE_URL": url,
+        "TQ_DAGSTER_PG_URL": sqlalchemy_url(dagster_database_url(url)),
+        "DAGSTER_HOME": str(home),
+    }
+    dagster = Path(sys.executable).with_name("dagster")
+    cmd = [str(dagster), "dev", "-w", str(home / "workspace.yaml"), "-h", args.host, "-p", str(args.port)]
+    print(f"tq dev: Dagster UI on http://{args.host}:{args.port} (Ctrl-C stops everything)", flush=True)
+    child = subprocess.Popen(cmd, env=env, cwd=home)
+    # Ctrl-C reaches the whole foreground group; SIGTERM (kill, timeout) reaches only us, so
+    # pass it on as the SIGINT that dagster dev shuts down cleanly on.
+    signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGINT))
+    try:
+        while True:
+            try:
+                return child.wait()
+            except KeyboardInterrupt:
+                # From a terminal dagster dev got the same SIGINT; otherwise pass it on. A
+                # second one is harmless: it is already shutting down.
+                child.send_signal(signal.SIGINT)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        if own_server:
+            embedded.stop()
+            print("tq dev: embedded PostgreSQL stopped; data kept in", embedded.default_pgdata())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tq", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     rec.set_defaults(func=_cmd_recover)
 
     sub.add_parser("status", help="v_worker_capacity, one line per role").set_defaults(func=_cmd_status)
+
+    dev = sub.add_parser("dev", help="database up and migrated, then the Dagster UI and daemon")
+    dev.add_argument("--home", default=".", help="folder with dagster.yaml and workspace.yaml")
+    dev.add_argument("--host", default="127.0.0.1")
+    dev.add_argument("--port", type=int, default=3000)
+    dev.set_defaults(func=_cmd_dev)
     return parser
 
 

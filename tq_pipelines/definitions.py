@@ -1,0 +1,31 @@
+"""The one Dagster Definitions of tq_pipelines."""
+
+import dagster as dg
+
+from tq_pipelines.alerts import AlertResource
+from tq_pipelines.assets import task_completion_log, task_completion_log_job
+from tq_pipelines.handlers import load_handlers
+from tq_pipelines.jobs import drain_tasks_job, generate_resync_tasks_job, recover_stale_tasks_job
+from tq_pipelines.resources import QueueResource
+from tq_pipelines.schedules import (
+    generate_resync_tasks_schedule,
+    recover_stale_tasks_schedule,
+    task_completion_log_schedule,
+)
+from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
+from tq_pipelines.sensors.queue import task_queue_sensor
+
+# A role without a handler is an error here, at load, not a failed task at 3 a.m.
+load_handlers()
+
+defs = dg.Definitions(
+    assets=[task_completion_log],
+    jobs=[generate_resync_tasks_job, recover_stale_tasks_job, drain_tasks_job, task_completion_log_job],
+    schedules=[generate_resync_tasks_schedule, recover_stale_tasks_schedule, task_completion_log_schedule],
+    sensors=[task_queue_sensor, queue_health_sensor, run_failure_alert_sensor],
+    resources={
+        "tq": QueueResource(database_url=dg.EnvVar("TQ_DATABASE_URL")),
+        "alerts": AlertResource(),
+        "health": HealthThresholds(),
+    },
+)

@@ -1,0 +1,80 @@
+"""Dagster resources: the queue (a psycopg pool per run) and where alerts go."""
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import dagster as dg
+from pydantic import PrivateAttr
+
+from tq_pipelines.queue import ROLES, TaskQueue
+
+
+class QueueSettingsError(ValueError):
+    """A setting is wrong; the message names it."""
+
+
+class QueueResource(dg.ConfigurableResource):
+    """The task queue. One connection pool per run (or sensor tick), closed at its end."""
+
+    database_url: str
+    pool_max_size: int = 8
+    # "role=N,role=N": how many drain runs of a role may exist at once (default_runs_per_role
+    # for roles not named); empty falls back to TQ_ROLE_CAPS. Checked before anything runs.
+    role_caps: str = ""
+    default_runs_per_role: int = 2
+    stale_threshold_minutes: int = 10
+    # What the sensor asks of each drain run (see DrainConfig).
+    tasks_per_run: int = 500
+    drain_batch_size: int = 20
+    drain_concurrency: int = 1
+    drain_time_budget_seconds: float = 600
+
+    _queue: TaskQueue | None = PrivateAttr(default=None)
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        self.caps()  # fail on a bad cap before any task is touched
+        try:
+            self._queue = TaskQueue.connect(self.database_url, min_size=1, max_size=self.pool_max_size)
+        except Exception as exc:
+            raise QueueSettingsError(
+                f"cannot reach the queue database (TQ_DATABASE_URL / database_url): {exc}"
+            ) from exc
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        if self._queue is not None:
+            self._queue.close()
+            self._queue = None
+
+    @property
+    def queue(self) -> TaskQueue:
+        if self._queue is None:
+            raise RuntimeError("QueueResource used outside of a run or tick")
+        return self._queue
+
+    @contextmanager
+    def open(self) -> Iterator[TaskQueue]:
+        """A queue with its own pool, for code that runs outside a Dagster execution."""
+        with TaskQueue.connect(self.database_url, max_size=self.pool_max_size) as queue:
+            yield queue
+
+    def caps(self) -> dict[str, int]:
+        """Per-role run caps from ``role_caps``; raises naming the setting on a bad entry."""
+        if self.default_runs_per_role < 0:
+            raise QueueSettingsError(f"default_runs_per_role must be >= 0, got {self.default_runs_per_role}")
+        caps = dict.fromkeys(ROLES, self.default_runs_per_role)
+        spec = self.role_caps or os.environ.get("TQ_ROLE_CAPS", "")
+        for item in filter(None, (p.strip() for p in spec.split(","))):
+            role, sep, value = item.partition("=")
+            role = role.strip()
+            if not sep or role not in ROLES:
+                raise QueueSettingsError(
+                    f"role_caps (TQ_ROLE_CAPS): {item!r} is not role=N for a known role ({', '.join(ROLES)})"
+                )
+            try:
+                caps[role] = int(value)
+            except ValueError:
+                raise QueueSettingsError(f"role_caps (TQ_ROLE_CAPS): {item!r}: {value!r} is not a number") from None
+            if caps[role] < 0:
+                raise QueueSettingsError(f"role_caps (TQ_ROLE_CAPS): {item!r}: a cap cannot be negative")
+        return caps

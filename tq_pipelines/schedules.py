@@ -1,0 +1,31 @@
+"""Schedules. Every one is RUNNING by default: `make dev` shows a live system."""
+
+import dagster as dg
+
+from tq_pipelines.assets import task_completion_log_job
+from tq_pipelines.jobs import generate_resync_tasks_job, recover_stale_tasks_job
+
+# 00:05 UTC: the day's resync, for that same day (the partitions have end_offset=1).
+generate_resync_tasks_schedule = dg.build_schedule_from_partitioned_job(
+    generate_resync_tasks_job,
+    name="generate_resync_tasks_schedule",
+    hour_of_day=0,
+    minute_of_hour=5,
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+)
+
+recover_stale_tasks_schedule = dg.ScheduleDefinition(
+    name="recover_stale_tasks_schedule",
+    job=recover_stale_tasks_job,
+    cron_schedule="*/5 * * * *",
+    execution_timezone="UTC",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+)
+
+# Five minutes past each hour: the hour that just closed.
+task_completion_log_schedule = dg.build_schedule_from_partitioned_job(
+    task_completion_log_job,
+    name="task_completion_log_schedule",
+    minute_of_hour=5,
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+)

@@ -1,0 +1,1 @@
+"""Sensors: the queue drainer and the alerts."""

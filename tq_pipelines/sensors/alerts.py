@@ -1,0 +1,81 @@
+"""Alerts: failed runs, and the queue's health (stuck tasks, failure rate, drain time)."""
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import dagster as dg
+from pydantic import Field
+
+from tq_pipelines.alerts import Alert, AlertResource
+from tq_pipelines.resources import QueueResource
+
+
+@dg.run_failure_sensor(name="run_failure_alert_sensor", default_status=dg.DefaultSensorStatus.RUNNING)
+def run_failure_alert_sensor(context: dg.RunFailureSensorContext, alerts: AlertResource) -> None:
+    """Every failed run of this code location, to the log, the webhook and Slack."""
+    run = context.dagster_run
+    role = run.tags.get("tq/role")
+    alerts.send(
+        Alert(
+            title=f"{run.job_name} failed" + (f" (role {role})" if role else ""),
+            text=context.failure_event.message or "run failed",
+            url=alerts.run_url(run.run_id),
+        ),
+        context.log,
+    )
+
+
+class HealthThresholds(dg.ConfigurableResource):
+    """When queue_health_sensor raises an alert."""
+
+    failure_rate: float = Field(default=0.2, ge=0, le=1)
+    min_finished: int = Field(default=20, ge=1, description="Finished tasks in the hour before a rate counts")
+    resync_hour_utc: int = Field(default=0, ge=0, le=23, description="When the next resync lands")
+
+
+def hours_to_next_resync(now: datetime, resync_hour_utc: int) -> float:
+    next_run = now.replace(hour=resync_hour_utc, minute=0, second=0, microsecond=0)
+    if next_run <= now:
+        next_run += timedelta(days=1)
+    return (next_run - now).total_seconds() / 3600
+
+
+def queue_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -> dict[str, Alert]:
+    """What is wrong with the queue now, keyed so that an unchanged problem is not re-sent."""
+    problems: dict[str, Alert] = {}
+    stuck = tq.queue.stuck_tasks(tq.stale_threshold_minutes)
+    if stuck:
+        problems["stuck"] = Alert(
+            "Tasks stuck past the stale threshold",
+            f"{stuck} task(s) claimed or running with no sign of life for over "
+            f"{tq.stale_threshold_minutes} minutes; is recover_stale_tasks_schedule running?",
+        )
+    horizon = hours_to_next_resync(now, limits.resync_hour_utc)
+    for c in tq.queue.capacity():
+        finished = c.completed_last_hour + c.failed_last_hour
+        if finished >= limits.min_finished and c.failed_last_hour / finished > limits.failure_rate:
+            problems[f"failure_rate:{c.role}"] = Alert(
+                f"{c.role}: failure rate {c.failed_last_hour / finished:.0%} in the last hour",
+                f"{c.failed_last_hour} of {finished} finished tasks failed (threshold {limits.failure_rate:.0%}).",
+            )
+        if c.estimated_hours_to_drain is not None and c.estimated_hours_to_drain > horizon:
+            problems[f"drain:{c.role}"] = Alert(
+                f"{c.role}: queue will not drain before the next resync",
+                f"{c.pending_tasks} pending, estimated {c.estimated_hours_to_drain:.1f} h to drain with "
+                f"{c.active_workers} worker(s); the next resync is in {horizon:.1f} h.",
+                severity="warning",
+            )
+    return problems
+
+
+@dg.sensor(minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING)
+def queue_health_sensor(
+    context: dg.SensorEvaluationContext, tq: QueueResource, alerts: AlertResource, health: HealthThresholds
+) -> dg.SkipReason:
+    """Alerts once when a problem appears (and again if it clears and comes back)."""
+    problems = queue_problems(tq, health, datetime.now(UTC))
+    already = set(json.loads(context.cursor)) if context.cursor else set()
+    for key in sorted(problems.keys() - already):
+        alerts.send(problems[key], context.log)
+    context.update_cursor(json.dumps(sorted(problems)))
+    return dg.SkipReason("healthy" if not problems else "alerting: " + ", ".join(sorted(problems)))

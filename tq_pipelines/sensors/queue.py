@@ -1,0 +1,54 @@
+"""task_queue_sensor: launches drain runs for roles with ready work, within each role's cap."""
+
+import math
+import time
+
+import dagster as dg
+
+from tq_pipelines.jobs import DrainConfig, drain_tasks_job
+from tq_pipelines.queue import ROLES
+from tq_pipelines.resources import QueueResource
+
+IN_FLIGHT = [
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+]
+
+
+@dg.sensor(job=drain_tasks_job, minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING)
+def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) -> dg.SensorResult:
+    """One drain run per ``tasks_per_run`` ready tasks of a role, up to the role's cap less the
+    runs of that role already queued or running."""
+    caps = tq.caps()
+    ready = {c.role: c.ready_tasks for c in tq.queue.capacity()}
+    # Run keys are remembered forever; a tick counter and the time keep them from colliding.
+    tick = int(context.cursor or 0) + 1
+    stamp = int(time.time())
+    requests: list[dg.RunRequest] = []
+    waiting: list[str] = []
+    for role in ROLES:
+        if not ready.get(role):
+            continue
+        in_flight = context.instance.get_run_ids(
+            dg.RunsFilter(job_name=drain_tasks_job.name, tags={"tq/role": role}, statuses=IN_FLIGHT)
+        )
+        wanted = min(caps[role] - len(in_flight), math.ceil(ready[role] / tq.tasks_per_run))
+        waiting.append(f"{role}: {ready[role]} ready, {len(in_flight)} runs in flight")
+        config = DrainConfig(
+            role=role,
+            batch_size=tq.drain_batch_size,
+            concurrency=tq.drain_concurrency,
+            time_budget_seconds=tq.drain_time_budget_seconds,
+        )
+        requests.extend(
+            dg.RunRequest(
+                run_key=f"{role}:{tick}:{stamp}:{i}",
+                run_config=dg.RunConfig(ops={"drain_role_tasks": config}),
+                tags={"tq/role": role},
+            )
+            for i in range(max(wanted, 0))
+        )
+    skip = None if requests else ("; ".join(waiting) or "no ready tasks")
+    return dg.SensorResult(run_requests=requests, skip_reason=skip, cursor=str(tick))
