@@ -105,7 +105,9 @@ def wait_until_done(url: str, total: int, timeout: float) -> float:
     raise SystemExit(f"not drained within {timeout:.0f} s")
 
 
-def start_dagster(home: Path, queue_url: str, dagster_url: str, runs: int, batch: int) -> subprocess.Popen[bytes]:
+def start_dagster(
+    home: Path, queue_url: str, dagster_url: str, runs: int, batch: int
+) -> subprocess.Popen[bytes]:
     shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
     env = {
         **os.environ,
@@ -116,7 +118,14 @@ def start_dagster(home: Path, queue_url: str, dagster_url: str, runs: int, batch
     }
     log = open(home / "dagster-dev.log", "wb")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(
-        [str(Path(sys.executable).with_name("dagster")), "dev", "-w", str(ROOT / "workspace.yaml"), "-p", "3999"],
+        [
+            str(Path(sys.executable).with_name("dagster")),
+            "dev",
+            "-w",
+            str(ROOT / "workspace.yaml"),
+            "-p",
+            "3999",
+        ],
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -148,8 +157,12 @@ def wait_for_sensor(home: Path, timeout: float = 120) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--url", default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    )
     parser.add_argument("--tasks", type=int, default=10000)
     parser.add_argument("--runs", type=int, default=1, help="drain runs (and bare workers) at once")
     parser.add_argument("--batch", type=int, default=20)
@@ -187,8 +200,10 @@ def main() -> None:
     print(f"\n{args.tasks} no-op tasks, batch {args.batch}, up to {args.runs} run(s) at once\n")
     print("| measure | bare Worker loop | Dagster drain runs | ratio |")
     print("|---|---:|---:|---:|")
-    print(f"| tasks/s per worker or run, first claim to last completion | {bare_per:,.0f} | {run_per:,.0f} "
-          f"| {run_per / bare_per:.2f} |")
+    print(
+        f"| tasks/s per worker or run, first claim to last completion | {bare_per:,.0f} | {run_per:,.0f} "
+        f"| {run_per / bare_per:.2f} |"
+    )
     print(f"| tasks/s overall | {bare_rate:,.0f} | {dagster_rate:,.0f} | {dagster_rate / bare_rate:.2f} |")
     print(f"| drain runs (or workers) | {len(bare_workers)} | {len(runs)} | |")
     print(f"| wall time, generation to last completion (sensor latency included) | | {wall:.1f} s | |")

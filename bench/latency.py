@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -39,14 +39,20 @@ from psycopg.conninfo import make_conninfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tq_pipelines.db.migrate import load_migrations, migrate  # noqa: E402
+from tq_pipelines.db.migrate import load_migrations, migrate
 
 ROLE = "product_resync"
 WORKER = "bench-latency"
 DB_V2 = "tq_bench_latency"
 DB_074 = "tq_bench_latency_074"
 STORES = 2000
-ROLES = ("store_discovery", "entry_point_discovery", "product_discovery", "product_resync", "analytics_refresh")
+ROLES = (
+    "store_discovery",
+    "entry_point_discovery",
+    "product_discovery",
+    "product_resync",
+    "analytics_refresh",
+)
 STORELESS = ("store_discovery", "analytics_refresh")
 
 # --- 074, copied from its migration file; only the object names changed -------------------------
@@ -471,18 +477,28 @@ def claim_loop(bench: Bench, n: int, warmup: int) -> tuple[Timing, Timing]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
-                        help="a server where the bench may create databases")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
+        help="a server where the bench may create databases",
+    )
     parser.add_argument("--finished", type=int, default=1_000_000, help="completed/failed tasks")
     parser.add_argument("--pending", type=int, default=2000, help="pending due tasks, all roles")
     parser.add_argument("--running", type=int, default=500)
     parser.add_argument("--runs", type=int, default=50, help="timed runs of each view query")
-    parser.add_argument("--slow-runs", type=int, default=20,
-                        help="timed runs of the original capacity view (a full scan)")
+    parser.add_argument(
+        "--slow-runs", type=int, default=20, help="timed runs of the original capacity view (a full scan)"
+    )
     parser.add_argument("--claims", type=int, default=2000, help="timed claims per phase")
-    parser.add_argument("--claims-074-on-0003", type=int, default=200,
-                        help="timed claims per phase of claim_task_074 on the 0003 schema (0: skip)")
+    parser.add_argument(
+        "--claims-074-on-0003",
+        type=int,
+        default=200,
+        help="timed claims per phase of claim_task_074 on the 0003 schema (0: skip)",
+    )
     parser.add_argument("--future", type=int, default=50_000, help="future tasks added for phase two")
     args = parser.parse_args()
 
@@ -492,7 +508,9 @@ def main() -> None:
     log(f"{machine}; creating {DB_V2} and {DB_074}")
     v2, v2_074, orig = setup(args.url)
     for bench in (v2, orig):
-        log(f"loading {args.finished:,} finished + {args.pending:,} pending + {args.running} running: {bench.label}")
+        log(
+            f"loading {args.finished:,} finished + {args.pending:,} pending + {args.running} running: {bench.label}"
+        )
         load_base(bench.url, args.finished, args.pending, args.running)
 
     # Part 1: the views.
@@ -553,29 +571,41 @@ def main() -> None:
         ("`SELECT * FROM v_worker_capacity`, median / p95", "capacity", "< 50 ms"),
         ("`SELECT * FROM v_task_history LIMIT 50`, median / p95", "history", "< 10 ms"),
     ]
-    print(f"Machine: {machine}. {args.finished:,} finished tasks, {args.pending:,} pending due, "
-          f"{args.running} running, {STORES:,} stores.\n")
+    print(
+        f"Machine: {machine}. {args.finished:,} finished tasks, {args.pending:,} pending due, "
+        f"{args.running} running, {STORES:,} stores.\n"
+    )
     print("| measurement | original 074 | tq_pipelines | target |")
     print("|---|---:|---:|---|")
     for title, key, target in rows:
         print(f"| {title} | {results[(key, 'original 074')]} | {results[(key, 'tq_pipelines')]} | {target} |")
     for phase, title in (("without", "no future tasks"), ("with", f"{future} future tasks ahead")):
-        print(f"| claim + complete, {title}, median / p95 | {claim_cell(phase, 'original 074')} "
-              f"| {claim_cell(phase, 'tq_pipelines')} | |")
+        print(
+            f"| claim + complete, {title}, median / p95 | {claim_cell(phase, 'original 074')} "
+            f"| {claim_cell(phase, 'tq_pipelines')} | |"
+        )
     for phase, title in (("without", "no future tasks"), ("with", f"{future} future tasks ahead")):
-        print(f"| claim alone, {title}, median / p95 | {claim_cell(phase, 'original 074', 1)} "
-              f"| {claim_cell(phase, 'tq_pipelines', 1)} | |")
-    print(f"| claim + complete, with / without future tasks (median) | {ratio_cell('original 074')} "
-          f"| {ratio_cell('tq_pipelines')} | about 1.0 |")
+        print(
+            f"| claim alone, {title}, median / p95 | {claim_cell(phase, 'original 074', 1)} "
+            f"| {claim_cell(phase, 'tq_pipelines', 1)} | |"
+        )
+    print(
+        f"| claim + complete, with / without future tasks (median) | {ratio_cell('original 074')} "
+        f"| {ratio_cell('tq_pipelines')} | about 1.0 |"
+    )
 
     label = "074 SQL on the 0003 schema"
-    print(f"\nThe 074 SQL ({label}: `v_*_074` views and `claim_task_074` in {DB_V2}, over the 0003 "
-          "indexes and triggers):\n")
+    print(
+        f"\nThe 074 SQL ({label}: `v_*_074` views and `claim_task_074` in {DB_V2}, over the 0003 "
+        "indexes and triggers):\n"
+    )
     print("| measurement | 074 SQL on the 0003 schema |")
     print("|---|---:|")
     for title, key, _ in rows:
-        print(f"| {title.replace('v_worker_capacity', 'v_worker_capacity_074').replace('v_task_history', 'v_task_history_074')} "
-              f"| {results[(key, label)]} |")
+        print(
+            f"| {title.replace('v_worker_capacity', 'v_worker_capacity_074').replace('v_task_history', 'v_task_history_074')} "
+            f"| {results[(key, label)]} |"
+        )
     for phase, title in (("without", "no future tasks"), ("with", f"{future} future tasks ahead")):
         print(f"| claim_task_074 + complete_task, {title}, median / p95 | {claim_cell(phase, label)} |")
     print(f"| ratio with / without (median) | {ratio_cell(label)} |")

@@ -5,8 +5,9 @@
 Each worker is its own process with its own connection. Modes: ``single`` (claim_task,
 start_task, complete_task: three calls per task), ``batch`` (claim_tasks of --batch, start_tasks,
 complete_tasks: three calls per batch) and ``worker`` (the Worker loop that the drain runs use:
-claim_tasks with start, then complete_tasks: two calls and two row updates per task). Layouts: ``adjacent`` (a store's tasks consecutive in claim order,
-the hard case) and ``interleaved``. The pgbench figure is single-row UPDATE transactions per
+claim_tasks with start, then complete_tasks: two calls and two row updates per task).
+Layouts: ``adjacent`` (a store's tasks consecutive in claim order, the hard case) and
+``interleaved``. The pgbench figure is single-row UPDATE transactions per
 second at 16 clients, measured in the same run; the ratio is tasks/s over that TPS.
 """
 
@@ -27,9 +28,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tq_pipelines.db.migrate import migrate  # noqa: E402
-from tq_pipelines.queue import TaskQueue  # noqa: E402
-from tq_pipelines.worker import Worker  # noqa: E402
+from tq_pipelines.db.migrate import migrate
+from tq_pipelines.queue import TaskQueue
+from tq_pipelines.worker import Worker
 
 ROLE = "product_resync"
 BENCH_DB = "tq_bench"
@@ -136,9 +137,25 @@ def run_pgbench(server: str, seconds: int, clients: int = 16) -> float:
         if params.get(key):
             env[var] = str(params[key])
     out = subprocess.run(
-        ["pgbench", "-n", "-M", "prepared", "-c", str(clients), "-j", "2", "-T", str(seconds),
-         "-f", script.name, str(params["dbname"])],
-        env=env, capture_output=True, text=True, check=True,
+        [
+            "pgbench",
+            "-n",
+            "-M",
+            "prepared",
+            "-c",
+            str(clients),
+            "-j",
+            "2",
+            "-T",
+            str(seconds),
+            "-f",
+            script.name,
+            str(params["dbname"]),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     os.unlink(script.name)
     match = re.search(r"tps = ([\d.]+)", out)
@@ -147,9 +164,14 @@ def run_pgbench(server: str, seconds: int, clients: int = 16) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
-                        help="a server where the bench may create databases")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
+        help="a server where the bench may create databases",
+    )
     parser.add_argument("--workers", default="1,4,16")
     parser.add_argument("--modes", default="single,batch,worker")
     parser.add_argument("--layouts", default="adjacent,interleaved")
@@ -172,10 +194,16 @@ def main() -> None:
                 done, claims, seconds = run_queue(url, workers, mode, args.batch)
                 assert done == args.tasks, f"{done} of {args.tasks} completed"
                 rate = done / seconds
-                label = {"single": "single", "batch": f"batch {args.batch}",
-                         "worker": f"Worker, batch {args.batch}"}[mode]
-                print(f"| {layout} | {label} | {workers} | {done} | {claims} | {seconds:.2f} | {rate:,.0f} "
-                      f"| {rate / tps:.2f} |", flush=True)
+                label = {
+                    "single": "single",
+                    "batch": f"batch {args.batch}",
+                    "worker": f"Worker, batch {args.batch}",
+                }[mode]
+                print(
+                    f"| {layout} | {label} | {workers} | {done} | {claims} | {seconds:.2f} | {rate:,.0f} "
+                    f"| {rate / tps:.2f} |",
+                    flush=True,
+                )
     tps_after = run_pgbench(args.url, args.pgbench_seconds)
     print(f"\npgbench again after the runs: {tps_after:,.0f} TPS")
 

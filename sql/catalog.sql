@@ -35,7 +35,7 @@ WHERE n.nspname = 'public'
     SELECT 1 FROM pg_depend d
     WHERE d.classid = 'pg_class'::REGCLASS AND d.objid = c.oid AND d.deptype = 'e'
   )
-ORDER BY relation COLLATE "C";
+ORDER BY c.relname COLLATE "C";
 
 -- name: catalog_columns
 -- Columns of tables, views and composite types. position counts live columns only, so that a
@@ -64,7 +64,7 @@ WHERE n.nspname = 'public'
     SELECT 1 FROM pg_depend e
     WHERE e.classid = 'pg_class'::REGCLASS AND e.objid = c.oid AND e.deptype = 'e'
   )
-ORDER BY relation COLLATE "C", position;
+ORDER BY c.relname COLLATE "C", a.attnum;
 
 -- name: catalog_constraints
 -- Constraints of tables and domains. PostgreSQL 18 also lists NOT NULL as constraints (contype
@@ -81,7 +81,7 @@ LEFT JOIN pg_type ty ON ty.oid = con.contypid
 WHERE n.nspname = 'public'
   AND con.contype <> 'n'
   AND r.relname IS DISTINCT FROM 'tq_migrations'
-ORDER BY owner COLLATE "C", constraint_name COLLATE "C";
+ORDER BY coalesce(r.relname, ty.typname) COLLATE "C", con.conname COLLATE "C";
 
 -- name: catalog_indexes
 SELECT
@@ -96,7 +96,7 @@ JOIN pg_class t ON t.oid = x.indrelid
 JOIN pg_namespace n ON n.oid = t.relnamespace
 WHERE n.nspname = 'public'
   AND t.relname <> 'tq_migrations'
-ORDER BY relation COLLATE "C", index_name COLLATE "C";
+ORDER BY t.relname COLLATE "C", i.relname COLLATE "C";
 
 -- name: catalog_views
 SELECT
@@ -111,7 +111,7 @@ WHERE n.nspname = 'public'
     SELECT 1 FROM pg_depend d
     WHERE d.classid = 'pg_class'::REGCLASS AND d.objid = c.oid AND d.deptype = 'e'
   )
-ORDER BY view_name COLLATE "C";
+ORDER BY c.relname COLLATE "C";
 
 -- name: catalog_functions
 -- pg_get_functiondef has the body verbatim and every attribute (language, volatility, strictness,
@@ -129,7 +129,7 @@ WHERE n.nspname = 'public'
     SELECT 1 FROM pg_depend d
     WHERE d.classid = 'pg_proc'::REGCLASS AND d.objid = p.oid AND d.deptype = 'e'
   )
-ORDER BY function_name COLLATE "C", arguments COLLATE "C";
+ORDER BY p.proname COLLATE "C", pg_get_function_identity_arguments(p.oid) COLLATE "C";
 
 -- name: catalog_triggers
 -- Internal triggers (those behind foreign keys) are the constraints' business.
@@ -144,7 +144,7 @@ JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE n.nspname = 'public'
   AND NOT tg.tgisinternal
   AND c.relname <> 'tq_migrations'
-ORDER BY relation COLLATE "C", trigger_name COLLATE "C";
+ORDER BY c.relname COLLATE "C", tg.tgname COLLATE "C";
 
 -- name: catalog_sequences
 -- Parameters and owner, not the current value (that is data).
@@ -177,7 +177,7 @@ WHERE n.nspname = 'public'
     SELECT 1 FROM pg_depend e
     WHERE e.classid = 'pg_class'::REGCLASS AND e.objid = c.oid AND e.deptype = 'e'
   )
-ORDER BY sequence_name COLLATE "C";
+ORDER BY c.relname COLLATE "C";
 
 -- name: catalog_types
 -- Enums, domains, ranges and base types defined in the schema. Row types of tables, array types
@@ -211,7 +211,7 @@ WHERE n.nspname = 'public'
     SELECT 1 FROM pg_depend d
     WHERE d.classid = 'pg_type'::REGCLASS AND d.objid = t.oid AND d.deptype = 'e'
   )
-ORDER BY type_name COLLATE "C";
+ORDER BY t.typname COLLATE "C";
 
 -- name: catalog_extensions
 -- Name and schema only: the version is the server's business.
@@ -220,7 +220,7 @@ SELECT
   n.nspname::TEXT AS schema_name
 FROM pg_extension e
 JOIN pg_namespace n ON n.oid = e.extnamespace
-ORDER BY extension_name COLLATE "C";
+ORDER BY e.extname COLLATE "C";
 
 -- name: catalog_comments
 -- COMMENT ON anything in the schema, named by pg_identify_object (for example "table column",
@@ -238,7 +238,7 @@ WHERE o.schema = 'public'
     SELECT 1 FROM pg_depend e
     WHERE e.classid = d.classoid AND e.objid = d.objoid AND e.deptype = 'e'
   )
-ORDER BY object_type COLLATE "C", object_name COLLATE "C", d.description COLLATE "C";
+ORDER BY o.type COLLATE "C", o.identity COLLATE "C", d.description COLLATE "C";
 
 -- name: schema_scratch_create
 -- A database to migrate and dump (tq_pipelines.db.schema); template0 has nothing that a site

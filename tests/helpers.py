@@ -3,7 +3,9 @@
 import psycopg
 
 
-def add_stores(conn: psycopg.Connection, count: int, *, platform: str = "dutchie", enabled: bool = True) -> list[int]:
+def add_stores(
+    conn: psycopg.Connection, count: int, *, platform: str = "dutchie", enabled: bool = True
+) -> list[int]:
     """Insert ``count`` crawlable stores; returns their ids in order."""
     rows = conn.execute(
         """
@@ -17,7 +19,9 @@ def add_stores(conn: psycopg.Connection, count: int, *, platform: str = "dutchie
     return sorted(r[0] for r in rows)
 
 
-def add_tasks(conn: psycopg.Connection, role: str, store_ids: list[int], per_store: int, *, adjacent: bool = True) -> int:
+def add_tasks(
+    conn: psycopg.Connection, role: str, store_ids: list[int], per_store: int, *, adjacent: bool = True
+) -> int:
     """``per_store`` pending tasks for each store, one INSERT. Adjacent: a store's tasks have
     consecutive ids (the hard layout for a claim); else interleaved round-robin."""
     conn.execute(

@@ -48,7 +48,7 @@ class AlertResource(dg.ConfigurableResource):
                     headers={"Content-Type": "application/json"},
                     method="POST",
                 )
-                with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:  # noqa: S310
+                with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
                     response.read()
                 reached.append("webhook")
             except Exception:
@@ -59,7 +59,9 @@ class AlertResource(dg.ConfigurableResource):
             try:
                 from dagster_slack import SlackResource
 
-                text = f"*{alert.title}*\n{alert.text}" + (f"\n<{alert.url}|Open in Dagster>" if alert.url else "")
+                text = f"*{alert.title}*\n{alert.text}" + (
+                    f"\n<{alert.url}|Open in Dagster>" if alert.url else ""
+                )
                 SlackResource(token=token).get_client().chat_postMessage(channel=channel, text=text)
                 reached.append("slack")
             except Exception:

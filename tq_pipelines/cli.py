@@ -70,7 +70,10 @@ def _cmd_dev(args: argparse.Namespace) -> int:
     """Database up and migrated, then `dagster dev` in the foreground; Ctrl-C stops it all."""
     home = Path(args.home).resolve()
     if not (home / "dagster.yaml").is_file() or not (home / "workspace.yaml").is_file():
-        print(f"tq dev: no dagster.yaml and workspace.yaml in {home} (run it from the checkout)", file=sys.stderr)
+        print(
+            f"tq dev: no dagster.yaml and workspace.yaml in {home} (run it from the checkout)",
+            file=sys.stderr,
+        )
         return 2
     own_server = not os.environ.get("TQ_DATABASE_URL")
     url = database_url()

@@ -17,14 +17,18 @@ DB_POOL = "tq_database"
 
 class ResyncConfig(dg.Config):
     batches_per_day: int = Field(default=6, ge=1, le=24, description="Batches spread evenly over the UTC day")
-    platforms: list[str] = Field(default=["dutchie"], min_length=1, description="Platforms (menu_type) to resync")
+    platforms: list[str] = Field(
+        default=["dutchie"], min_length=1, description="Platforms (menu_type) to resync"
+    )
 
 
 @dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
 def generate_resync_tasks(context: dg.OpExecutionContext, config: ResyncConfig, tq: QueueResource):
     """Create the product_resync tasks of the partition's UTC day. Idempotent."""
     day = context.partition_time_window.start.date()
-    created = tq.queue.generate_resync(day=day, batches_per_day=config.batches_per_day, platforms=config.platforms)
+    created = tq.queue.generate_resync(
+        day=day, batches_per_day=config.batches_per_day, platforms=config.platforms
+    )
     context.log.info("created %s product_resync tasks for %s", created, day)
     return dg.Output(
         None,
@@ -53,7 +57,9 @@ def recover_stale_tasks(context: dg.OpExecutionContext, config: RecoverConfig, t
     if report.recovered or report.failed or report.workers_offline:
         context.log.warning(
             "recovered %s, failed %s, workers offline %s",
-            report.recovered, report.failed, report.workers_offline,
+            report.recovered,
+            report.failed,
+            report.workers_offline,
         )
     return dg.Output(
         None,
@@ -104,7 +110,12 @@ def drain_role_tasks(context: dg.OpExecutionContext, config: DrainConfig, tq: Qu
     done = stats.completed + stats.failed + stats.retried
     context.log.info(
         "%s: %s completed, %s retried, %s failed, %s lost in %.1f s",
-        config.role, stats.completed, stats.retried, stats.failed, stats.lost, stats.drain_seconds,
+        config.role,
+        stats.completed,
+        stats.retried,
+        stats.failed,
+        stats.lost,
+        stats.drain_seconds,
     )
     return dg.Output(
         None,

@@ -56,7 +56,6 @@ class Task:
     due_at: datetime
 
 
-
 _TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
 
 
@@ -270,13 +269,8 @@ class TaskQueue:
         """``v_worker_capacity``, one entry per known role."""
         with self._cursor() as cur:
             rows = cur.execute(query("worker_capacity")).fetchall()
-        return [
-            RoleCapacity(
-                **{k: v for k, v in r.items() if k not in _FLOAT_COLUMNS},
-                **{k: _float(r[k]) for k in _FLOAT_COLUMNS},
-            )
-            for r in rows
-        ]
+        # numeric columns arrive as Decimal; callers want floats
+        return [RoleCapacity(**(r | {k: _float(r[k]) for k in _FLOAT_COLUMNS})) for r in rows]
 
     def roles(self) -> list[str]:
         with self._cursor() as cur:

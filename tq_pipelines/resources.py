@@ -74,7 +74,9 @@ class QueueResource(dg.ConfigurableResource):
             try:
                 caps[role] = int(value)
             except ValueError:
-                raise QueueSettingsError(f"role_caps (TQ_ROLE_CAPS): {item!r}: {value!r} is not a number") from None
+                raise QueueSettingsError(
+                    f"role_caps (TQ_ROLE_CAPS): {item!r}: {value!r} is not a number"
+                ) from None
             if caps[role] < 0:
                 raise QueueSettingsError(f"role_caps (TQ_ROLE_CAPS): {item!r}: a cap cannot be negative")
         return caps

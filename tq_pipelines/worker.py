@@ -137,8 +137,7 @@ class Worker:
         try:
             while True:
                 budget_left = (
-                    self.time_budget_seconds is None
-                    or time.monotonic() - started < self.time_budget_seconds
+                    self.time_budget_seconds is None or time.monotonic() - started < self.time_budget_seconds
                 )
                 claimed: list[Task] = []
                 if budget_left and not self._stop.is_set() and len(running) < self.concurrency:

@@ -81,8 +81,11 @@ def migrate(conninfo: str, migrations: list[Migration] | None = None) -> list[st
                     conn.execute(sql.SQL(migration.text))  # type: ignore[arg-type]
                     conn.execute(
                         query("migrations_record"),
-                        {"version": migration.version, "name": migration.name,
-                         "checksum": migration.checksum},
+                        {
+                            "version": migration.version,
+                            "name": migration.name,
+                            "checksum": migration.checksum,
+                        },
                     )
                 applied.append(migration.filename)
         finally:

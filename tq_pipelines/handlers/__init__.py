@@ -8,7 +8,7 @@ replaces the built-in handler of the same role.
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 
-from tq_pipelines.queue import ROLES, JSON, Task
+from tq_pipelines.queue import JSON, ROLES, Task
 from tq_pipelines.worker import Handler, TaskContext
 
 ENTRY_POINT_GROUP = "tq_pipelines.handlers"
@@ -33,11 +33,15 @@ def load_handlers(roles: tuple[str, ...] = ROLES) -> dict[str, Handler]:
         try:
             handler = ep.load()
         except Exception as exc:
-            raise HandlerRegistryError(f"handler entry point {ep.name} = {ep.value} failed to load: {exc}") from exc
+            raise HandlerRegistryError(
+                f"handler entry point {ep.name} = {ep.value} failed to load: {exc}"
+            ) from exc
         if not callable(handler):
             raise HandlerRegistryError(f"handler entry point {ep.name} = {ep.value} is not callable")
         handlers[ep.name] = handler
     missing = [r for r in roles if r not in handlers]
     if missing:
-        raise HandlerRegistryError(f"no handler for role(s) {', '.join(missing)}; register one under {ENTRY_POINT_GROUP}")
+        raise HandlerRegistryError(
+            f"no handler for role(s) {', '.join(missing)}; register one under {ENTRY_POINT_GROUP}"
+        )
     return handlers

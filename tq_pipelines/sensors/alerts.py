@@ -56,7 +56,8 @@ def queue_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -
         if finished >= limits.min_finished and c.failed_last_hour / finished > limits.failure_rate:
             problems[f"failure_rate:{c.role}"] = Alert(
                 f"{c.role}: failure rate {c.failed_last_hour / finished:.0%} in the last hour",
-                f"{c.failed_last_hour} of {finished} finished tasks failed (threshold {limits.failure_rate:.0%}).",
+                f"{c.failed_last_hour} of {finished} finished tasks failed"
+                f" (threshold {limits.failure_rate:.0%}).",
             )
         if c.estimated_hours_to_drain is not None and c.estimated_hours_to_drain > horizon:
             problems[f"drain:{c.role}"] = Alert(
