@@ -44,7 +44,7 @@ bench: $(STAMP) ## queue throughput against pgbench (needs a server: TQ_BENCH_UR
 	$(BIN)/python bench/queue_throughput.py --url $${TQ_BENCH_URL:-$(TEST_URL)}
 
 schema: $(STAMP) ## regenerate sql/schema.sql from the migrations (needs a server: TQ_BENCH_URL)
-	$(BIN)/python -m tq_pipelines.db.schema $${TQ_BENCH_URL:-$(TEST_URL)} > sql/schema.sql
+	$(BIN)/python -m tq_pipelines.db.schema $${TQ_BENCH_URL:-$(TEST_URL)} -o sql/schema.sql
 
 db-stop: $(STAMP) ## stop the embedded PostgreSQL of `make dev`
 	$(BIN)/tq db stop

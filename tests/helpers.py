@@ -54,14 +54,21 @@ def assert_store_state_consistent(conn: psycopg.Connection) -> None:
         """
     ).fetchall()
     assert wrong_active == [], f"store active task disagrees with worker_tasks: {wrong_active}"
-    # Heads may be optimistic, never pessimistic: every pending task is covered by its head.
-    uncovered = conn.execute(
+    # Every (store, role) with pending work has a head holding the claim-order key of its best
+    # due task, else of its next task to come due. (Heads of deleted tasks may linger.)
+    wrong_heads = conn.execute(
         """
-        SELECT t.id
-        FROM worker_tasks t
-        LEFT JOIN worker_task_heads h ON h.role = t.role AND h.dispensary_id = t.dispensary_id
-        WHERE t.status = 'pending' AND t.dispensary_id IS NOT NULL
-          AND (h.role IS NULL OR h.priority < t.priority OR h.due_at > t.due_at)
+        WITH expected AS (
+          SELECT DISTINCT ON (dispensary_id, role) dispensary_id, role, priority, due_at
+          FROM worker_tasks
+          WHERE status = 'pending' AND dispensary_id IS NOT NULL
+          ORDER BY dispensary_id, role, (due_at <= now()) DESC,
+                   CASE WHEN due_at <= now() THEN -priority END, due_at, priority DESC, id
+        )
+        SELECT e.dispensary_id, e.role, e.priority, e.due_at, h.priority, h.due_at
+        FROM expected e
+        LEFT JOIN worker_task_heads h ON h.role = e.role AND h.dispensary_id = e.dispensary_id
+        WHERE (h.priority, h.due_at) IS DISTINCT FROM (e.priority, e.due_at)
         """
     ).fetchall()
-    assert uncovered == [], f"pending tasks not covered by a head: {uncovered}"
+    assert wrong_heads == [], f"heads disagree with the pending tasks: {wrong_heads}"

@@ -289,6 +289,7 @@ def _jsonb(value: JSON) -> Jsonb | None:
 
 
 def _server_message(exc: psycopg.Error) -> str:
+    """The server's words: message, then detail (which names the refused key) and hint."""
     diag = exc.diag
-    message = diag.message_primary or str(exc)
-    return f"{message} ({diag.message_hint})" if diag.message_hint else message
+    parts = [diag.message_primary or str(exc), diag.message_detail, diag.message_hint]
+    return ": ".join(p for p in parts if p)

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -16,7 +16,6 @@ from tests.helpers import add_stores, add_tasks, assert_store_state_consistent, 
 from tq_pipelines.queue import QueueInputError, TaskQueue
 
 ROLE = "product_resync"
-UTC = timezone.utc
 
 
 def db_now(conn: psycopg.Connection) -> datetime:
@@ -28,17 +27,22 @@ def row(conn: psycopg.Connection, task_id: int) -> dict[str, Any]:
     return conn.execute("SELECT to_jsonb(t) FROM worker_tasks t WHERE id = %s", (task_id,)).fetchone()[0]
 
 
-def insert_task(conn: psycopg.Connection, role: str = ROLE, dispensary_id: int | None = None, **cols: Any) -> int:
+def insert_task(
+    conn: psycopg.Connection, role: str = ROLE, dispensary_id: int | None = None, **cols: Any
+) -> int:
     """One task with explicit columns (status, priority, scheduled_for, created_at, ...)."""
     cols = {"role": role, "dispensary_id": dispensary_id, **cols}
     names = ", ".join(cols)
     marks = ", ".join(f"%({c})s" for c in cols)
-    return conn.execute(f"INSERT INTO worker_tasks ({names}) VALUES ({marks}) RETURNING id", cols).fetchone()[0]
+    return conn.execute(f"INSERT INTO worker_tasks ({names}) VALUES ({marks}) RETURNING id", cols).fetchone()[
+        0
+    ]
 
 
 def heads(conn: psycopg.Connection, dispensary_id: int) -> list[tuple]:
     return conn.execute(
-        "SELECT role, priority FROM worker_task_heads WHERE dispensary_id = %s ORDER BY role", (dispensary_id,)
+        "SELECT role, priority FROM worker_task_heads WHERE dispensary_id = %s ORDER BY role",
+        (dispensary_id,),
     ).fetchall()
 
 
@@ -50,11 +54,17 @@ def heads(conn: psycopg.Connection, dispensary_id: int) -> list[tuple]:
 @pytest.mark.parametrize(
     ("stores", "call"),
     [
-        pytest.param(2, "SELECT id, dispensary_id FROM claim_tasks('product_resync', %s, 1)", id="claim_tasks"),
         pytest.param(
-            2, "SELECT id, dispensary_id FROM claim_tasks('product_resync', %s, 1, true)", id="claim_tasks-start"
+            2, "SELECT id, dispensary_id FROM claim_tasks('product_resync', %s, 1)", id="claim_tasks"
         ),
-        pytest.param(2, "SELECT (c).id, (c).dispensary_id FROM claim_task('product_resync', %s) c", id="claim_task"),
+        pytest.param(
+            2,
+            "SELECT id, dispensary_id FROM claim_tasks('product_resync', %s, 1, true)",
+            id="claim_tasks-start",
+        ),
+        pytest.param(
+            2, "SELECT (c).id, (c).dispensary_id FROM claim_task('product_resync', %s) c", id="claim_task"
+        ),
         pytest.param(1, "SELECT id, dispensary_id FROM claim_tasks('product_resync', %s, 1)", id="one-store"),
     ],
 )
@@ -206,7 +216,9 @@ def test_storeless_tasks_are_claimed_and_mixed_by_priority(conn: psycopg.Connect
     "(tq_refresh_heads / tq_merge_head), so the claim ranks stores by a task that is not the one it takes",
 )
 @pytest.mark.parametrize("case", ["future-high-priority", "same-priority-later-due"])
-def test_claim_ranks_stores_by_the_task_it_actually_takes(conn: psycopg.Connection, queue: TaskQueue, case: str):
+def test_claim_ranks_stores_by_the_task_it_actually_takes(
+    conn: psycopg.Connection, queue: TaskQueue, case: str
+):
     """claim returns the best due task of the role, whatever other tasks its store holds."""
     a, b = add_stores(conn, 2)
     now = db_now(conn)
@@ -240,7 +252,9 @@ def test_stale_head_does_not_hide_other_stores_due_work(
     if make_stale == "cancel":
         assert queue.cancel(gone)
     else:
-        conn.execute("UPDATE worker_tasks SET scheduled_for = now() + interval '1 hour' WHERE id = %s", (gone,))
+        conn.execute(
+            "UPDATE worker_tasks SET scheduled_for = now() + interval '1 hour' WHERE id = %s", (gone,)
+        )
     task = queue.claim(ROLE, "w")
     assert task is not None and task.id == other
 
@@ -266,7 +280,10 @@ def test_other_worker_cannot_start_complete_fail_or_heartbeat(conn: psycopg.Conn
     assert queue.fail(task_id, "intruder", "boom") is None
     assert queue.fail(task_id, "intruder", "boom", retryable=False) is None
     assert row(conn, task_id) == before
-    assert conn.execute("SELECT tasks_completed, tasks_failed FROM worker_registry").fetchall() == registry_before
+    assert (
+        conn.execute("SELECT tasks_completed, tasks_failed FROM worker_registry").fetchall()
+        == registry_before
+    )
     # The owner still can.
     assert queue.start(task_id, "owner") is True
     assert queue.heartbeat("owner", [task_id]) == {task_id}
@@ -293,7 +310,9 @@ def test_cancel_takes_the_task_from_its_owner(conn: psycopg.Connection, queue: T
         assert (t.status, t.result) == ("cancelled", None)
     # The stores are free again.
     assert_store_state_consistent(conn)
-    assert conn.execute("SELECT count(*) FROM worker_task_stores WHERE active_task_id IS NOT NULL").fetchone() == (0,)
+    assert conn.execute(
+        "SELECT count(*) FROM worker_task_stores WHERE active_task_id IS NOT NULL"
+    ).fetchone() == (0,)
 
 
 @pytest.mark.parametrize("final", ["completed", "failed", "cancelled"])
@@ -326,7 +345,9 @@ def test_complete_tasks_completes_only_owned_ids(conn: psycopg.Connection, queue
     assert queue.get(theirs).status == "claimed" and queue.get(theirs).result is None
     assert queue.get(pending).status == "pending"
     assert all(queue.get(i).result == {"id": i} for i in mine)
-    assert conn.execute("SELECT tasks_completed FROM worker_registry WHERE worker_id = 'wA'").fetchone() == (2,)
+    assert conn.execute("SELECT tasks_completed FROM worker_registry WHERE worker_id = 'wA'").fetchone() == (
+        2,
+    )
 
 
 def test_complete_tasks_with_mismatched_arrays_is_refused(conn: psycopg.Connection, queue: TaskQueue):
@@ -448,7 +469,9 @@ def test_issue_7_fail_task_backs_off_exponentially_with_jitter(
     conn.execute("UPDATE worker_tasks SET retry_count = %s WHERE id = %s", (retry_count, task_id))
     assert queue.claim_many(ROLE, "w", 1, start=True)[0].id == task_id
     with conn.transaction():  # one transaction: now() is the now() fail_task saw
-        status = conn.execute("SELECT fail_task(%s, 'w', 'timeout talking to menu')", (task_id,)).fetchone()[0]
+        status = conn.execute("SELECT fail_task(%s, 'w', 'timeout talking to menu')", (task_id,)).fetchone()[
+            0
+        ]
         now = db_now(conn)
     assert status == "pending"
     t = queue.get(task_id)
@@ -458,7 +481,9 @@ def test_issue_7_fail_task_backs_off_exponentially_with_jitter(
     assert (t.worker_id, t.claimed_at, t.started_at, t.last_heartbeat_at) == (None, None, None, None)
     assert t.error_message == "timeout talking to menu"
     assert queue.claim(ROLE, "w2") is None
-    conn.execute("UPDATE worker_tasks SET scheduled_for = now() - interval '1 second' WHERE id = %s", (task_id,))
+    conn.execute(
+        "UPDATE worker_tasks SET scheduled_for = now() - interval '1 second' WHERE id = %s", (task_id,)
+    )
     assert queue.claim(ROLE, "w2").id == task_id
     assert_store_state_consistent(conn)
 
@@ -471,7 +496,9 @@ def test_issue_7_fail_task_fails_after_max_retries_and_at_once_when_not_retryabl
     flaky = queue.enqueue(ROLE, a, max_retries=2)
     statuses = []
     for _ in range(3):
-        conn.execute("UPDATE worker_tasks SET scheduled_for = now() - interval '1 second' WHERE id = %s", (flaky,))
+        conn.execute(
+            "UPDATE worker_tasks SET scheduled_for = now() - interval '1 second' WHERE id = %s", (flaky,)
+        )
         assert queue.claim(ROLE, "w").id == flaky
         statuses.append(queue.fail(flaky, "w", "flaky"))
     assert statuses == ["pending", "pending", "failed"]
@@ -505,7 +532,8 @@ def test_issue_7_worker_registry_tracks_counts_and_status(conn: psycopg.Connecti
 
     def reg(worker_id: str) -> tuple:
         return conn.execute(
-            "SELECT status, tasks_completed, tasks_failed FROM worker_registry WHERE worker_id = %s", (worker_id,)
+            "SELECT status, tasks_completed, tasks_failed FROM worker_registry WHERE worker_id = %s",
+            (worker_id,),
         ).fetchone()
 
     stores = add_stores(conn, 4)
@@ -565,7 +593,9 @@ def test_issue_2_generate_resync_is_idempotent_per_store_and_date(conn: psycopg.
     # A new store joining later gets its task on the next call, the others are not duplicated.
     add_stores(conn, 1)
     assert queue.generate_resync(day=DAY) == 1
-    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE resync_date = %s", (DAY,)).fetchone() == (11,)
+    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE resync_date = %s", (DAY,)).fetchone() == (
+        11,
+    )
 
 
 def test_issue_2_concurrent_generate_resync_creates_each_task_once(db_url: str, conn: psycopg.Connection):
@@ -676,11 +706,17 @@ def test_issue_2_generate_resync_ignores_session_timezone(conn: psycopg.Connecti
     assert {t.hour for _, t, _ in schedules["UTC"]} == {0, 4, 8, 12, 16, 20}
 
 
-def test_issue_2_generate_resync_default_date_is_the_utc_date(conn: psycopg.Connection):
-    """Without a date, the UTC day is used, even where the local date differs (UTC+14)."""
+# Between them, these two zones have a local date other than the UTC date at every moment
+# (UTC+14 from 10:00 UTC, UTC-11 before 11:00 UTC), and never the UTC hour.
+FAR_ZONES = ["Pacific/Kiritimati", "Pacific/Pago_Pago"]
+
+
+@pytest.mark.parametrize("tz", FAR_ZONES)
+def test_issue_2_generate_resync_default_date_is_the_utc_date(conn: psycopg.Connection, tz: str):
+    """Without a date, the UTC day is used, whatever the session's local date."""
     add_stores(conn, 3)
-    conn.execute("SET TimeZone = 'Pacific/Kiritimati'")
-    with conn.transaction():
+    conn.execute("SELECT set_config('TimeZone', %s, false)", (tz,))
+    with conn.transaction():  # one now() for the call and the check
         assert conn.execute("SELECT generate_resync_tasks()").fetchone() == (3,)
         utc_day = conn.execute("SELECT (now() AT TIME ZONE 'UTC')::date").fetchone()[0]
     assert conn.execute("SELECT DISTINCT resync_date FROM worker_tasks").fetchall() == [(utc_day,)]
@@ -762,10 +798,21 @@ def seed_completion_hour(conn: psycopg.Connection) -> None:
     ]
     for status, started, completed in finished:
         insert_task(
-            conn, dispensary_id=store, status=status, created_at=earlier, started_at=started, completed_at=completed
+            conn,
+            dispensary_id=store,
+            status=status,
+            created_at=earlier,
+            started_at=started,
+            completed_at=completed,
         )
-    insert_task(conn, "analytics_refresh", status="failed", created_at=H0 + timedelta(minutes=1),
-                started_at=None, completed_at=H0 + timedelta(minutes=2))
+    insert_task(
+        conn,
+        "analytics_refresh",
+        status="failed",
+        created_at=H0 + timedelta(minutes=1),
+        started_at=None,
+        completed_at=H0 + timedelta(minutes=2),
+    )
 
 
 EXPECTED_LOG = {
@@ -784,7 +831,10 @@ def log_rows(queue: TaskQueue) -> dict[str, tuple]:
             r["tasks_created"],
             r["tasks_completed"],
             r["tasks_failed"],
-            *(None if r[k] is None else float(r[k]) for k in ("avg_duration_sec", "min_duration_sec", "max_duration_sec")),
+            *(
+                None if r[k] is None else float(r[k])
+                for k in ("avg_duration_sec", "min_duration_sec", "max_duration_sec")
+            ),
         )
         for r in queue.completion_log(LOG_DAY, LOG_HOUR)
     }
@@ -818,13 +868,17 @@ def test_issue_9_refresh_completion_log_ignores_session_timezone(conn: psycopg.C
         assert log_rows(queue) == EXPECTED_LOG, tz
 
 
-def test_issue_9_completion_log_defaults_are_utc(conn: psycopg.Connection):
-    """A row inserted with the date/hour defaults gets the UTC date and hour, under UTC+14."""
-    conn.execute("SET TimeZone = 'Pacific/Kiritimati'")
+@pytest.mark.parametrize("tz", FAR_ZONES)
+def test_issue_9_completion_log_defaults_are_utc(conn: psycopg.Connection, tz: str):
+    """A row inserted with the date/hour defaults gets the UTC date and hour, whatever the
+    session TimeZone."""
+    conn.execute("SELECT set_config('TimeZone', %s, false)", (tz,))
     got = conn.execute(
         """
         INSERT INTO task_completion_log (role) VALUES ('product_resync')
-        RETURNING date, hour, (now() AT TIME ZONE 'UTC')::date, extract(HOUR FROM now() AT TIME ZONE 'UTC')::int,
+        RETURNING date, hour,
+                  (now() AT TIME ZONE 'UTC')::date,
+                  extract(HOUR FROM now() AT TIME ZONE 'UTC')::int,
                   extract(HOUR FROM now())::int
         """
     ).fetchone()
@@ -871,7 +925,12 @@ def test_issue_8_worker_capacity_counts_a_known_mix(conn: psycopg.Connection, qu
     assert r.estimated_hours_to_drain == pytest.approx(3 / (2 * 180.0))
     a = caps["analytics_refresh"]
     assert (a.pending_tasks, a.ready_tasks, a.running_tasks, a.active_workers) == (1, 1, 1, 1)
-    assert (a.completed_last_hour, a.avg_duration_sec, a.tasks_per_worker_hour, a.estimated_hours_to_drain) == (
+    assert (
+        a.completed_last_hour,
+        a.avg_duration_sec,
+        a.tasks_per_worker_hour,
+        a.estimated_hours_to_drain,
+    ) == (
         0,
         None,
         None,
@@ -935,8 +994,12 @@ def test_deleting_store_with_active_task(conn: psycopg.Connection, queue: TaskQu
     queue.enqueue("product_discovery", gone)
     claimed = {t.dispensary_id: t.id for t in queue.claim_many(ROLE, "w", 2)}
     conn.execute("DELETE FROM dispensaries WHERE id = %s", (gone,))
-    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE dispensary_id = %s", (gone,)).fetchone() == (0,)
-    assert conn.execute("SELECT count(*) FROM worker_task_stores WHERE dispensary_id = %s", (gone,)).fetchone() == (0,)
+    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE dispensary_id = %s", (gone,)).fetchone() == (
+        0,
+    )
+    assert conn.execute(
+        "SELECT count(*) FROM worker_task_stores WHERE dispensary_id = %s", (gone,)
+    ).fetchone() == (0,)
     assert heads(conn, gone) == []
     assert_store_state_consistent(conn)
     assert queue.complete(claimed[gone], "w", {}) is False
@@ -975,7 +1038,9 @@ def test_raw_sql_inserts_and_updates_keep_state_consistent(conn: psycopg.Connect
     conn.execute("UPDATE worker_tasks SET dispensary_id = %s, scheduled_for = NULL WHERE id = %s", (c, moved))
     assert_store_state_consistent(conn)
     assert queue.claim(ROLE, "w").id == moved
-    conn.execute("UPDATE worker_tasks SET status = 'completed', completed_at = now() WHERE id = %s", (claimed,))
+    conn.execute(
+        "UPDATE worker_tasks SET status = 'completed', completed_at = now() WHERE id = %s", (claimed,)
+    )
     conn.execute("UPDATE worker_tasks SET role = 'product_discovery' WHERE id = %s", (waiting,))
     assert_store_state_consistent(conn)
     assert queue.claim(ROLE, "w") is None

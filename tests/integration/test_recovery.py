@@ -81,7 +81,13 @@ def test_issue_3_task_of_worker_dead_after_claim_is_recovered(
     report = queue.recover_stale(10)
     assert (report.recovered, report.failed) == (1, 0)
     t = queue.get(task_id)
-    assert (t.status, t.worker_id, t.claimed_at, t.started_at, t.last_heartbeat_at) == ("pending", None, None, None, None)
+    assert (t.status, t.worker_id, t.claimed_at, t.started_at, t.last_heartbeat_at) == (
+        "pending",
+        None,
+        None,
+        None,
+        None,
+    )
     assert t.retry_count == 1
     assert "lease expired" in t.error_message and "dead" in t.error_message
     assert_store_state_consistent(conn)
@@ -153,7 +159,10 @@ def test_old_owner_is_fenced_out_after_recovery(conn: psycopg.Connection, queue:
     assert queue.fail(task_id, "old", "gave up") is None
     assert queue.start(task_id, "old") is False
     assert queue.heartbeat("old", [task_id]) == set()
-    assert conn.execute("SELECT to_jsonb(t) FROM worker_tasks t WHERE id = %s", (task_id,)).fetchone() == recovered
+    assert (
+        conn.execute("SELECT to_jsonb(t) FROM worker_tasks t WHERE id = %s", (task_id,)).fetchone()
+        == recovered
+    )
     t = queue.get(task_id)
     assert (t.status, t.result) == ("pending", None)
     assert queue.claim(ROLE, "new").id == task_id
@@ -184,7 +193,8 @@ def test_recovery_marks_silent_workers_offline(conn: psycopg.Connection, queue: 
         queue.register_worker(w, ROLE)
     assert queue.deregister_worker("gone")
     conn.execute(
-        "UPDATE worker_registry SET last_heartbeat_at = now() - interval '30 minutes' WHERE worker_id <> 'alive'"
+        "UPDATE worker_registry SET last_heartbeat_at = now() - interval '30 minutes'"
+        " WHERE worker_id <> 'alive'"
     )
     queue.heartbeat("alive", [])  # idle, not silent
     report = queue.recover_stale(10)

@@ -30,7 +30,9 @@ def registry(conn: psycopg.Connection, worker_id: str) -> tuple:
 
 
 def make_due(conn: psycopg.Connection) -> None:
-    conn.execute("UPDATE worker_tasks SET scheduled_for = now() - interval '1 second' WHERE status = 'pending'")
+    conn.execute(
+        "UPDATE worker_tasks SET scheduled_for = now() - interval '1 second' WHERE status = 'pending'"
+    )
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])
@@ -74,7 +76,8 @@ def test_handler_errors_are_retried_then_failed(conn: psycopg.Connection, queue:
     stats = Worker(queue, LOOSE, handler, worker_id="flaky").run()
     assert (stats.completed, stats.retried, stats.failed) == (20, 10, 0)
     pending = conn.execute(
-        "SELECT id, retry_count, scheduled_for > now(), error_message FROM worker_tasks WHERE status = 'pending'"
+        "SELECT id, retry_count, scheduled_for > now(), error_message"
+        " FROM worker_tasks WHERE status = 'pending'"
     ).fetchall()
     assert {r[0] for r in pending} == bad
     assert all(r[1] == 1 and r[2] for r in pending)
@@ -191,7 +194,9 @@ def test_cancelled_task_is_lost_and_its_result_discarded(
     assert registry(conn, "w") == ("offline", 0, 0)
 
 
-def test_result_of_task_recovered_mid_run_is_discarded(db_url: str, conn: psycopg.Connection, queue: TaskQueue):
+def test_result_of_task_recovered_mid_run_is_discarded(
+    db_url: str, conn: psycopg.Connection, queue: TaskQueue
+):
     """A task recovered (lease expired) while its handler runs, with no heartbeat in between: the
     worker's completion is refused and counted as lost; the retry's result is the one kept."""
     (store,) = add_stores(conn, 1)

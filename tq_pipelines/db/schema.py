@@ -9,6 +9,7 @@ import importlib.util
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -48,10 +49,8 @@ class SchemaDumpError(RuntimeError):
 
 
 def catalog_snapshot(conninfo: str) -> dict[str, list[tuple]]:
-    """The public schema's shape, section by section, from one consistent read of pg_catalog.
-
-    Equal snapshots mean equal schemas; the rows name objects and never depend on OIDs.
-    """
+    """The public schema's shape, section by section (sql/catalog.sql), read in one read-only
+    transaction. Equal snapshots mean equal schemas; rows name objects, never OIDs."""
     with psycopg.connect(conninfo) as conn:
         conn.read_only = True
         with conn.transaction():
@@ -135,7 +134,7 @@ def _line_end(text: str, i: int) -> int:
 
 
 def _block_comment_end(text: str, i: int) -> int:
-    depth, i = 0, i
+    depth = 0
     while i < len(text):
         if text.startswith("/*", i):
             depth, i = depth + 1, i + 2
@@ -165,13 +164,23 @@ def _quoted_end(text: str, i: int, quote: str, backslash: bool) -> int:
     return len(text)
 
 
+_ROUTINE_STARTS = (
+    ["create", "function"],
+    ["create", "procedure"],
+    ["create", "or", "replace", "function"],
+    ["create", "or", "replace", "procedure"],
+)
+
+
 def _statement_end(text: str, i: int) -> int:
     """The end of the statement starting at text[i]: after its top-level semicolon.
 
-    Like psql: quotes, dollar quotes and comments hide semicolons, and so does a BEGIN ... END
-    block (SQL-standard function bodies); BEGIN or CASE after a statement's first word opens one.
+    psql's rules: quotes, dollar quotes and comments hide semicolons, and so does the BEGIN ...
+    END of an SQL-standard body in CREATE [OR REPLACE] FUNCTION/PROCEDURE (a CASE inside it
+    ends with END too).
     """
-    words, depth = 0, 0
+    words: list[str] = []
+    parens, depth = 0, 0
     while i < len(text):
         c = text[i]
         if c == ";" and depth == 0:
@@ -193,12 +202,16 @@ def _statement_end(text: str, i: int) -> int:
             if word == "e" and text.startswith("'", i):
                 i = _quoted_end(text, i, "'", backslash=True)
                 continue
-            words += 1
-            if word in ("begin", "case") and words > 1:
-                depth += 1
-            elif word == "end" and depth > 0:
-                depth -= 1
+            if len(words) < 4:
+                words.append(word)
+            routine = any(words[: len(start)] == start for start in _ROUTINE_STARTS)
+            if routine and parens == 0:
+                if word == "begin" or (word == "case" and depth > 0):
+                    depth += 1
+                elif word == "end" and depth > 0:
+                    depth -= 1
         else:
+            parens += (c == "(") - (c == ")")
             i += 1
     return len(text)
 
@@ -269,8 +282,8 @@ def clean_dump(dump: str, *, pg_dump_major: int, server_major: int) -> str:
             if not _RESTRICT.match(text):
                 raise SchemaDumpError(f"unexpected psql meta-command in pg_dump output: {text!r}")
         elif kind == "comment":
-            if header := _TOC_HEADER.match(text):
-                entries.append((text, header.group("type"), []))
+            if toc := _TOC_HEADER.match(text):
+                entries.append((text, toc.group("type"), []))
         elif _SESSION_SETTING.match(text):
             continue
         elif not entries:
@@ -280,10 +293,9 @@ def clean_dump(dump: str, *, pg_dump_major: int, server_major: int) -> str:
 
     out = [_PREAMBLE.format(pg_dump_major=pg_dump_major, server_major=server_major)]
     for header, kind, statements in entries:
-        if kind == "SEQUENCE SET":
-            statements = [s for s in statements if not _UNUSED_SEQUENCE.match(s)]
-        if statements:
-            out.append(f"--\n{header}\n--\n\n" + "\n\n".join(statements) + "\n")
+        kept = [s for s in statements if not (kind == "SEQUENCE SET" and _UNUSED_SEQUENCE.match(s))]
+        if kept:
+            out.append(f"--\n{header}\n--\n\n" + "\n\n".join(kept) + "\n")
     return "\n\n".join(out)
 
 
@@ -338,10 +350,12 @@ def dump_schema(conninfo: str) -> str:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

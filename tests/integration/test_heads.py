@@ -1,0 +1,52 @@
+"""Claim order holds as time passes: a task that comes due can overtake a store's head."""
+
+import time
+from datetime import timedelta
+
+import psycopg
+
+from tests.helpers import add_stores, assert_store_state_consistent
+from tq_pipelines.queue import TaskQueue
+
+ROLE = "product_resync"
+
+
+def _insert(conn: psycopg.Connection, store: int, priority: int, due_in: timedelta) -> int:
+    row = conn.execute(
+        "INSERT INTO worker_tasks (role, dispensary_id, priority, scheduled_for)"
+        " VALUES (%s, %s, %s, now() + %s) RETURNING id",
+        (ROLE, store, priority, due_in),
+    ).fetchone()
+    assert row
+    return int(row[0])
+
+
+def test_a_task_coming_due_overtakes_its_stores_head(conn: psycopg.Connection, queue: TaskQueue):
+    a, b = add_stores(conn, 2)
+    _insert(conn, a, 0, timedelta(hours=-2))  # a's head now: priority 0
+    urgent = _insert(conn, a, 10, timedelta(seconds=1))  # comes due in a second, outranks b
+    _insert(conn, b, 5, timedelta(hours=-1))
+    recheck = conn.execute(
+        "SELECT recheck_at IS NOT NULL FROM worker_task_heads WHERE dispensary_id = %s", (a,)
+    ).fetchone()
+    assert recheck == (True,), "the head must know when the urgent task could overtake it"
+    time.sleep(1.5)
+    task = queue.claim(ROLE, "w")
+    assert task is not None and task.id == urgent
+    assert_store_state_consistent(conn)
+
+
+def test_heads_follow_direct_writes(conn: psycopg.Connection, queue: TaskQueue):
+    """Old callers that UPDATE or DELETE worker_tasks directly keep the heads true."""
+    (a,) = add_stores(conn, 1)
+    first = _insert(conn, a, 0, timedelta(minutes=-5))
+    second = _insert(conn, a, 0, timedelta(minutes=-1))
+    conn.execute("UPDATE worker_tasks SET priority = 7 WHERE id = %s", (second,))
+    assert_store_state_consistent(conn)
+    conn.execute("DELETE FROM worker_tasks WHERE id = %s", (second,))
+    task = queue.claim(ROLE, "w")
+    assert task is not None and task.id == first
+    assert queue.claim(ROLE, "w2") is None
+    assert queue.complete(first, "w")
+    assert queue.claim(ROLE, "w3") is None
+    assert conn.execute("SELECT count(*) FROM worker_task_heads").fetchone() == (0,)
