@@ -103,3 +103,36 @@ SELECT 1 FROM pg_database WHERE datname = %(name)s;
 -- name: create_database
 -- {name} is a psycopg.sql.Identifier: CREATE DATABASE takes no bound parameters.
 CREATE DATABASE {name};
+
+-- name: claimable_now
+-- Per role: ready tasks, and how many a claim could take right now (idle stores with due work,
+-- plus due store-less tasks). Busy stores' tasks are ready but not claimable.
+SELECT r.role,
+       coalesce(ready.n, 0) AS ready,
+       coalesce(stores.n, 0) + coalesce(loose.n, 0) AS claimable
+FROM worker_task_roles r
+LEFT JOIN (
+  -- one branch per partial pending index, as in v_worker_capacity
+  SELECT role, count(*) AS n
+  FROM (
+    SELECT role FROM worker_tasks
+    WHERE status = 'pending' AND dispensary_id IS NOT NULL AND due_at <= now()
+    UNION ALL
+    SELECT role FROM worker_tasks
+    WHERE status = 'pending' AND dispensary_id IS NULL AND due_at <= now()
+  ) due
+  GROUP BY role
+) ready ON ready.role = r.role
+LEFT JOIN (
+  SELECT h.role, count(*) AS n
+  FROM worker_task_heads h
+  JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+  WHERE h.due_at <= now() AND s.active_task_id IS NULL
+  GROUP BY h.role
+) stores ON stores.role = r.role
+LEFT JOIN (
+  SELECT role, count(*) AS n FROM worker_tasks
+  WHERE status = 'pending' AND due_at <= now() AND dispensary_id IS NULL
+  GROUP BY role
+) loose ON loose.role = r.role
+ORDER BY r.role;

@@ -68,5 +68,16 @@ class AlertResource(dg.ConfigurableResource):
                 logger.exception("alert to Slack channel %s failed", channel)
         return reached
 
+    def configured_channels(self) -> set[str]:
+        """The channels :meth:`send` tries, the log included."""
+        channels = {"log"}
+        if self.webhook_url or os.environ.get("TQ_ALERT_WEBHOOK_URL"):
+            channels.add("webhook")
+        if (self.slack_token or os.environ.get("TQ_SLACK_TOKEN")) and (
+            self.slack_channel or os.environ.get("TQ_SLACK_CHANNEL")
+        ):
+            channels.add("slack")
+        return channels
+
     def run_url(self, run_id: str) -> str:
         return f"{self.webserver_base_url.rstrip('/')}/runs/{run_id}"

@@ -9,8 +9,10 @@ from tq_pipelines.queue import ROLES
 from tq_pipelines.resources import QueueResource
 from tq_pipelines.worker import Worker
 
-# Every op below talks to the queue database; the pool caps how many do so at once.
+# Every op below talks to the queue database; pools cap how many do so at once. Drains have a
+# pool of their own so that long drain runs never hold off recovery, resync or the rollup.
 DB_POOL = "tq_database"
+DRAIN_POOL = "tq_drain"
 
 # Ops report through output metadata and return nothing (Nothing outputs skip the IO manager).
 
@@ -85,7 +87,7 @@ class DrainConfig(dg.Config):
     heartbeat_seconds: float = Field(default=30, gt=0, description="Lease heartbeat interval")
 
 
-@dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
+@dg.op(pool=DRAIN_POOL, out=dg.Out(dg.Nothing))
 def drain_role_tasks(context: dg.OpExecutionContext, config: DrainConfig, tq: QueueResource):
     """Claim and run the role's tasks until the queue is empty or the time budget is spent.
 

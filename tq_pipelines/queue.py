@@ -272,6 +272,13 @@ class TaskQueue:
         # numeric columns arrive as Decimal; callers want floats
         return [RoleCapacity(**(r | {k: _float(r[k]) for k in _FLOAT_COLUMNS})) for r in rows]
 
+    def claimable(self) -> dict[str, tuple[int, int]]:
+        """Per role: (ready tasks, tasks a claim could take now). They differ when the stores
+        of ready tasks are busy: one active task per store, whatever its role."""
+        with self._cursor() as cur:
+            rows = cur.execute(query("claimable_now")).fetchall()
+        return {r["role"]: (r["ready"], r["claimable"]) for r in rows}
+
     def roles(self) -> list[str]:
         with self._cursor() as cur:
             return [r["role"] for r in cur.execute(query("list_roles")).fetchall()]

@@ -5,6 +5,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import dagster as dg
+import psycopg
 from pydantic import PrivateAttr
 
 from tq_pipelines.queue import ROLES, TaskQueue
@@ -24,7 +25,8 @@ class QueueResource(dg.ConfigurableResource):
     role_caps: str = ""
     default_runs_per_role: int = 2
     stale_threshold_minutes: int = 10
-    # What the sensor asks of each drain run (see DrainConfig).
+    # task_queue_sensor asks for one drain run per tasks_per_run ready tasks (within the caps);
+    # each run drains until the queue is empty or its time budget is spent.
     tasks_per_run: int = 500
     drain_batch_size: int = 20
     drain_concurrency: int = 1
@@ -35,6 +37,9 @@ class QueueResource(dg.ConfigurableResource):
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         self.caps()  # fail on a bad cap before any task is touched
         try:
+            # One plain connection first: it fails fast, with libpq's reason, where a pool would
+            # retry in the background until its timeout.
+            psycopg.connect(self.database_url, connect_timeout=10).close()
             self._queue = TaskQueue.connect(self.database_url, min_size=1, max_size=self.pool_max_size)
         except Exception as exc:
             raise QueueSettingsError(

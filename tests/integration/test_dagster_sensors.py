@@ -222,11 +222,6 @@ def test_queue_sensor_counts_runs_already_in_flight(
     assert data.skip_message is not None and "3 runs in flight" in data.skip_message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: ready_tasks counts tasks whose store is busy (one active task per store, any role), "
-    "so the sensor launches drain runs that can claim nothing, again every tick",
-)
 def test_queue_sensor_does_not_launch_runs_that_cannot_claim(
     own_instance: dg.DagsterInstance, db_url: str, conn: psycopg.Connection, queue: TaskQueue
 ):
@@ -311,11 +306,6 @@ def test_health_alerts_once_per_stuck_episode(
     assert webhook.titles() == ["Tasks stuck past the stale threshold"] * 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: queue_health_sensor records a problem in its cursor even when the webhook refused "
-    "the alert, so the alert is never delivered while the problem lasts",
-)
 def test_health_alert_refused_by_the_webhook_is_sent_again(
     instance: dg.DagsterInstance, db_url: str, conn: psycopg.Connection, queue: TaskQueue, webhook: Webhook
 ):

@@ -210,16 +210,13 @@ def test_storeless_tasks_are_claimed_and_mixed_by_priority(conn: psycopg.Connect
     assert sorted(t.id for t in queue.claim_many("analytics_refresh", "w3", 10)) == ids
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a store's head mixes the max priority and the earliest due time of different tasks "
-    "(tq_refresh_heads / tq_merge_head), so the claim ranks stores by a task that is not the one it takes",
-)
 @pytest.mark.parametrize("case", ["future-high-priority", "same-priority-later-due"])
 def test_claim_ranks_stores_by_the_task_it_actually_takes(
     conn: psycopg.Connection, queue: TaskQueue, case: str
 ):
-    """claim returns the best due task of the role, whatever other tasks its store holds."""
+    """claim returns the best due task of the role, whatever other tasks its store holds.
+    (Regression: a store's head once mixed the max priority and the earliest due time of
+    different tasks.)"""
     a, b = add_stores(conn, 2)
     now = db_now(conn)
     if case == "future-high-priority":
@@ -235,28 +232,69 @@ def test_claim_ranks_stores_by_the_task_it_actually_takes(
     assert queue.claim(ROLE, "w").id == best
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: claim_tasks spends its LIMIT on stale (optimistic) heads in by_store and returns fewer "
-    "tasks than are due, even none, while another store has due work",
-)
-@pytest.mark.parametrize("make_stale", ["cancel", "reschedule"])
-def test_stale_head_does_not_hide_other_stores_due_work(
+def test_task_coming_due_overtakes_in_claim_order(conn: psycopg.Connection, queue: TaskQueue):
+    """Once a store's high-priority task comes due (with no write in between), it is claimed
+    ahead of other stores' lower-priority work."""
+    a, b = add_stores(conn, 2)
+    now = db_now(conn)
+    soon = now + timedelta(seconds=0.5)
+    insert_task(conn, dispensary_id=a, priority=0, scheduled_for=now - timedelta(hours=1))
+    high = insert_task(conn, dispensary_id=a, priority=10, scheduled_for=soon)
+    mid = insert_task(conn, dispensary_id=b, priority=5, scheduled_for=now - timedelta(hours=1))
+    while db_now(conn) <= soon:
+        time.sleep(0.05)
+    assert [t.id for t in queue.claim_many(ROLE, "w", 2)] == [high, mid]
+
+
+@pytest.mark.parametrize("make_stale", ["cancel", "reschedule", "reprioritise"])
+def test_changed_task_does_not_hide_other_stores_due_work(
     conn: psycopg.Connection, queue: TaskQueue, make_stale: str
 ):
-    """A store whose only due task was cancelled (or rescheduled to later) must not make a
-    claim come back empty while another store has due work."""
+    """A store whose best task was cancelled, rescheduled or demoted must not make a claim come
+    back empty or out of order while another store has better due work. (Regression: stale
+    heads once used up the claim's LIMIT.)"""
     a, b = add_stores(conn, 2)
     gone = queue.enqueue(ROLE, a, priority=10)
-    other = queue.enqueue(ROLE, b, priority=0)
+    other = queue.enqueue(ROLE, b, priority=5)
     if make_stale == "cancel":
         assert queue.cancel(gone)
-    else:
+    elif make_stale == "reschedule":
         conn.execute(
             "UPDATE worker_tasks SET scheduled_for = now() + interval '1 hour' WHERE id = %s", (gone,)
         )
+    else:
+        conn.execute("UPDATE worker_tasks SET priority = 0 WHERE id = %s", (gone,))
     task = queue.claim(ROLE, "w")
     assert task is not None and task.id == other
+    assert_store_state_consistent(conn)
+
+
+@pytest.mark.parametrize(
+    "deleted",
+    [
+        1,
+        pytest.param(
+            3,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="BUG: a DELETE of pending tasks leaves their heads behind (no delete trigger for "
+                "pending rows) and claim_tasks gives up after 3 attempts, returning nothing while "
+                "other stores have due work",
+            ),
+        ),
+    ],
+)
+def test_deleted_pending_tasks_do_not_hide_other_stores_due_work(
+    conn: psycopg.Connection, queue: TaskQueue, deleted: int
+):
+    """Pending tasks removed by a raw DELETE (an admin purge) must not make a claim come back
+    empty while another store has due work."""
+    stores = add_stores(conn, deleted + 2)
+    ids = [queue.enqueue(ROLE, s, priority=100 - n) for n, s in enumerate(stores)]
+    conn.execute("DELETE FROM worker_tasks WHERE id = ANY(%s)", (ids[:deleted],))
+    task = queue.claim(ROLE, "w")
+    assert task is not None and task.id == ids[deleted]
+    assert [t.id for t in queue.claim_many(ROLE, "w2", 5)] == [ids[deleted + 1]]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -381,6 +419,8 @@ BAD_CALLS: list[tuple[str, Callable[[TaskQueue], object], str]] = [
     ("recover-threshold-negative", lambda q: q.recover_stale(-5), "stale_threshold_minutes"),
     ("refresh-hour-24", lambda q: q.refresh_completion_log(date(2024, 5, 1), 24), "hour"),
     ("refresh-hour-negative", lambda q: q.refresh_completion_log(date(2024, 5, 1), -1), "hour"),
+    ("enqueue-unknown-role", lambda q: q.enqueue("bogus_role"), "bogus_role"),
+    ("enqueue-unknown-role-with-store", lambda q: q.enqueue("bogus_role", 1, priority=9), "bogus_role"),
     ("enqueue-unknown-store", lambda q: q.enqueue(ROLE, 999_999), "dispensary"),
 ]
 
@@ -409,31 +449,6 @@ def test_bad_input_is_refused_and_queue_still_works(
         call(queue)
     assert _queue_state(conn) == before
     assert queue.claim(ROLE, "w") is not None  # the store the holder does not hold
-    assert_store_state_consistent(conn)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: enqueue of an unknown role raises QueueInputError from the FK violation whose message "
-    "(_server_message keeps message_primary and hint only) never names the role it refused",
-)
-def test_enqueue_unknown_role_error_names_the_role(conn: psycopg.Connection, queue: TaskQueue):
-    """enqueue with an unknown role: QueueInputError naming that role, nothing inserted."""
-    with pytest.raises(QueueInputError) as raised:
-        queue.enqueue("bogus_role")
-    assert status_counts(conn) == {}
-    assert "bogus_role" in str(raised.value)
-
-
-def test_enqueue_unknown_role_is_refused_and_queue_still_works(conn: psycopg.Connection, queue: TaskQueue):
-    """enqueue with an unknown role raises QueueInputError (about the role), inserts nothing, and
-    the queue keeps working."""
-    (store,) = add_stores(conn, 1)
-    with pytest.raises(QueueInputError, match="role"):
-        queue.enqueue("bogus_role", store)
-    assert status_counts(conn) == {}
-    task_id = queue.enqueue(ROLE, store)
-    assert queue.claim(ROLE, "w").id == task_id
     assert_store_state_consistent(conn)
 
 

@@ -15,10 +15,15 @@ def run_failure_alert_sensor(context: dg.RunFailureSensorContext, alerts: AlertR
     """Every failed run of this code location, to the log, the webhook and Slack."""
     run = context.dagster_run
     role = run.tags.get("tq/role")
+    errors = [
+        f"{e.step_key}: {e.event_specific_data.error.message.strip()}"
+        for e in context.get_step_failure_events()
+        if e.event_specific_data is not None and e.event_specific_data.error is not None
+    ]
     alerts.send(
         Alert(
             title=f"{run.job_name} failed" + (f" (role {role})" if role else ""),
-            text=context.failure_event.message or "run failed",
+            text="\n".join([context.failure_event.message or "run failed", *errors]),
             url=alerts.run_url(run.run_id),
         ),
         context.log,
@@ -76,7 +81,10 @@ def queue_health_sensor(
     """Alerts once when a problem appears (and again if it clears and comes back)."""
     problems = queue_problems(tq, health, datetime.now(UTC))
     already = set(json.loads(context.cursor)) if context.cursor else set()
+    sent = set()
     for key in sorted(problems.keys() - already):
-        alerts.send(problems[key], context.log)
-    context.update_cursor(json.dumps(sorted(problems)))
+        # Remembered only once every configured channel took it; otherwise tried next tick.
+        if set(alerts.send(problems[key], context.log)) >= alerts.configured_channels():
+            sent.add(key)
+    context.update_cursor(json.dumps(sorted((problems.keys() & already) | sent)))
     return dg.SkipReason("healthy" if not problems else "alerting: " + ", ".join(sorted(problems)))

@@ -11,6 +11,7 @@ from tq_pipelines.resources import QueueResource
 
 IN_FLIGHT = [
     dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.CANCELING,
     dg.DagsterRunStatus.QUEUED,
     dg.DagsterRunStatus.STARTING,
     dg.DagsterRunStatus.STARTED,
@@ -19,23 +20,29 @@ IN_FLIGHT = [
 
 @dg.sensor(job=drain_tasks_job, minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING)
 def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) -> dg.SensorResult:
-    """One drain run per ``tasks_per_run`` ready tasks of a role, up to the role's cap less the
-    runs of that role already queued or running."""
+    """One drain run per ``tasks_per_run`` ready tasks of a role, no more than its idle stores
+    can feed (a claim takes one task per store), up to the role's cap less the runs of that role
+    already queued or running."""
     caps = tq.caps()
-    ready = {c.role: c.ready_tasks for c in tq.queue.capacity()}
+    work = tq.queue.claimable()
     # Run keys are remembered forever; a tick counter and the time keep them from colliding.
     tick = int(context.cursor or 0) + 1
     stamp = int(time.time())
     requests: list[dg.RunRequest] = []
     waiting: list[str] = []
     for role in ROLES:
-        if not ready.get(role):
+        ready, claimable = work.get(role, (0, 0))
+        if not ready:
             continue
         in_flight = context.instance.get_run_ids(
             dg.RunsFilter(job_name=drain_tasks_job.name, tags={"tq/role": role}, statuses=IN_FLIGHT)
         )
-        wanted = min(caps[role] - len(in_flight), math.ceil(ready[role] / tq.tasks_per_run))
-        waiting.append(f"{role}: {ready[role]} ready, {len(in_flight)} runs in flight")
+        wanted = min(
+            caps[role] - len(in_flight),
+            math.ceil(ready / tq.tasks_per_run),
+            math.ceil(claimable / tq.drain_batch_size),
+        )
+        waiting.append(f"{role}: {ready} ready, {claimable} claimable now, {len(in_flight)} runs in flight")
         config = DrainConfig(
             role=role,
             batch_size=tq.drain_batch_size,
