@@ -291,15 +291,6 @@ SELECT
 FROM generate_series(1, %(n)s::INT) g
 """
 
-# claim_task_074 bypasses worker_task_heads: the heads of stores it emptied stay behind, and the
-# next claim_task that meets one returns nothing (see docs/bench_latency_results.md). Re-derived
-# after its loops so that the tq_pipelines loops that follow start from true heads.
-REFRESH_HEADS = """
-SELECT tq_refresh_heads(%(role)s, array_agg(dispensary_id))
-FROM worker_task_heads
-WHERE role = %(role)s
-"""
-
 REGISTER_074 = """
 INSERT INTO worker_registry (worker_id, role) VALUES (%(worker_id)s, %(role)s)
 ON CONFLICT (worker_id) DO NOTHING
@@ -560,9 +551,6 @@ def main() -> None:
             if n:
                 log(f"claim + complete x{n} ({phase} future tasks): {bench.label}")
                 claims[(phase, bench.label)] = claim_loop(bench, n, warmup)
-                if bench is v2_074:
-                    with bench.connect() as conn:
-                        conn.execute(REFRESH_HEADS, {"role": ROLE})
 
     def claim_cell(phase: str, label: str, which: int = 0) -> str:
         found = claims.get((phase, label))

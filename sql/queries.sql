@@ -136,3 +136,10 @@ LEFT JOIN (
   GROUP BY role
 ) loose ON loose.role = r.role
 ORDER BY r.role;
+
+-- name: seed_demo_stores
+-- `tq dev` on an empty embedded database: stores for the noop handlers to work on.
+INSERT INTO dispensaries (name, menu_type, platform_dispensary_id, crawl_enabled)
+SELECT 'Demo store ' || g, 'dutchie', 'demo-' || g, true
+FROM generate_series(1, %(count)s) AS g
+WHERE NOT EXISTS (SELECT 1 FROM dispensaries);

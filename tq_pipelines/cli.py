@@ -79,6 +79,10 @@ def _cmd_dev(args: argparse.Namespace) -> int:
     url = database_url()
     applied = migrate(url)
     print(f"tq dev: queue database {'embedded, ' if own_server else ''}migrated ({len(applied)} new)")
+    if own_server and args.demo_stores:
+        with TaskQueue.connect(url) as queue:
+            if added := queue.seed_demo_stores(args.demo_stores):
+                print(f"tq dev: empty database: added {added} demo stores (--demo-stores 0 to skip)")
     env = {
         **os.environ,
         "TQ_DATABASE_URL": url,
@@ -134,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--home", default=".", help="folder with dagster.yaml and workspace.yaml")
     dev.add_argument("--host", default="127.0.0.1")
     dev.add_argument("--port", type=int, default=3000)
+    dev.add_argument(
+        "--demo-stores", type=int, default=200, help="stores to add to an empty embedded database (0: none)"
+    )
     dev.set_defaults(func=_cmd_dev)
     return parser
 

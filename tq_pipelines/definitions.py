@@ -13,7 +13,7 @@ from tq_pipelines.schedules import (
     task_completion_log_schedule,
 )
 from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
-from tq_pipelines.sensors.queue import task_queue_sensor
+from tq_pipelines.sensors.queue import resync_catchup_sensor, task_queue_sensor
 
 # A role without a handler is an error here, at load, not a failed task at 3 a.m.
 load_handlers()
@@ -22,7 +22,7 @@ defs = dg.Definitions(
     assets=[task_completion_log],
     jobs=[generate_resync_tasks_job, recover_stale_tasks_job, drain_tasks_job, task_completion_log_job],
     schedules=[generate_resync_tasks_schedule, recover_stale_tasks_schedule, task_completion_log_schedule],
-    sensors=[task_queue_sensor, queue_health_sensor, run_failure_alert_sensor],
+    sensors=[task_queue_sensor, resync_catchup_sensor, queue_health_sensor, run_failure_alert_sensor],
     resources={
         "tq": QueueResource(database_url=dg.EnvVar("TQ_DATABASE_URL")),
         "alerts": AlertResource(),

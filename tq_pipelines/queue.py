@@ -279,6 +279,11 @@ class TaskQueue:
             rows = cur.execute(query("claimable_now")).fetchall()
         return {r["role"]: (r["ready"], r["claimable"]) for r in rows}
 
+    def seed_demo_stores(self, count: int) -> int:
+        """Add ``count`` demo stores if there are no stores at all; returns how many were added."""
+        with self._cursor() as cur:
+            return cur.execute(query("seed_demo_stores"), {"count": count}).rowcount
+
     def roles(self) -> list[str]:
         with self._cursor() as cur:
             return [r["role"] for r in cur.execute(query("list_roles")).fetchall()]

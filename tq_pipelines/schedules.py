@@ -6,11 +6,12 @@ from tq_pipelines.assets import task_completion_log_job
 from tq_pipelines.jobs import generate_resync_tasks_job, recover_stale_tasks_job
 
 # 00:05 UTC: the day's resync, for that same day (the partitions have end_offset=1).
+RESYNC_HOUR_UTC, RESYNC_MINUTE = 0, 5
 generate_resync_tasks_schedule = dg.build_schedule_from_partitioned_job(
     generate_resync_tasks_job,
     name="generate_resync_tasks_schedule",
-    hour_of_day=0,
-    minute_of_hour=5,
+    hour_of_day=RESYNC_HOUR_UTC,
+    minute_of_hour=RESYNC_MINUTE,
     default_status=dg.DefaultScheduleStatus.RUNNING,
 )
 

@@ -15,7 +15,7 @@ SCHEDULES = {
     "recover_stale_tasks_schedule": ("*/5 * * * *", "recover_stale_tasks_job"),
     "task_completion_log_schedule": ("5 * * * *", "task_completion_log_job"),
 }
-SENSORS = {"task_queue_sensor", "queue_health_sensor", "run_failure_alert_sensor"}
+SENSORS = {"task_queue_sensor", "resync_catchup_sensor", "queue_health_sensor", "run_failure_alert_sensor"}
 
 
 @pytest.fixture(scope="module")

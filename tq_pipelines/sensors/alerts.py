@@ -15,10 +15,11 @@ def run_failure_alert_sensor(context: dg.RunFailureSensorContext, alerts: AlertR
     """Every failed run of this code location, to the log, the webhook and Slack."""
     run = context.dagster_run
     role = run.tags.get("tq/role")
+    # A step failure's data carries the error (a SerializableErrorInfo) of what went wrong.
     errors = [
-        f"{e.step_key}: {e.event_specific_data.error.message.strip()}"
+        f"{e.step_key}: {error.message.strip()}"
         for e in context.get_step_failure_events()
-        if e.event_specific_data is not None and e.event_specific_data.error is not None
+        if (error := getattr(e.event_specific_data, "error", None)) is not None
     ]
     alerts.send(
         Alert(

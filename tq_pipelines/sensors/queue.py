@@ -2,12 +2,14 @@
 
 import math
 import time
+from datetime import UTC, datetime
 
 import dagster as dg
 
-from tq_pipelines.jobs import DrainConfig, drain_tasks_job
+from tq_pipelines.jobs import DrainConfig, drain_tasks_job, generate_resync_tasks_job
 from tq_pipelines.queue import ROLES
 from tq_pipelines.resources import QueueResource
+from tq_pipelines.schedules import RESYNC_HOUR_UTC, RESYNC_MINUTE
 
 IN_FLIGHT = [
     dg.DagsterRunStatus.NOT_STARTED,
@@ -59,3 +61,21 @@ def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) ->
         )
     skip = None if requests else ("; ".join(waiting) or "no ready tasks")
     return dg.SensorResult(run_requests=requests, skip_reason=skip, cursor=str(tick))
+
+
+@dg.sensor(
+    job=generate_resync_tasks_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING
+)
+def resync_catchup_sensor(context: dg.SensorEvaluationContext) -> dg.RunRequest | dg.SkipReason:
+    """Today's resync when its scheduled tick was missed (the daemon was down at the time, or the
+    instance is new): once per day, since run keys are remembered."""
+    now = datetime.now(UTC)
+    day = now.date().isoformat()
+    if (now.hour, now.minute) < (RESYNC_HOUR_UTC, RESYNC_MINUTE):
+        return dg.SkipReason(f"the schedule runs {day} at {RESYNC_HOUR_UTC:02}:{RESYNC_MINUTE:02} UTC")
+    runs = context.instance.get_run_ids(
+        dg.RunsFilter(job_name=generate_resync_tasks_job.name, tags={"dagster/partition": day}), limit=1
+    )
+    if runs:
+        return dg.SkipReason(f"{day} already has a resync run")
+    return dg.RunRequest(run_key=f"catchup:{day}", partition_key=day)
