@@ -92,102 +92,138 @@ COMMENT ON FUNCTION public.claim_task(p_role character varying, p_worker_id char
 
 CREATE FUNCTION public.claim_tasks(p_role character varying, p_worker_id character varying, p_max_tasks integer, p_start boolean DEFAULT false) RETURNS SETOF public.worker_tasks
     LANGUAGE plpgsql
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
+  v_want INTEGER := p_max_tasks;
   v_stores INTEGER[];
   v_loose INTEGER[];
+  v_skip INTEGER[] := '{}';
+  v_claimed INTEGER;
 BEGIN
-  IF p_worker_id IS NULL OR btrim(p_worker_id) = '' THEN
-    RAISE EXCEPTION 'worker_id must not be empty' USING ERRCODE = '22023';
-  END IF;
+  PERFORM tq_require_worker(p_worker_id);
   IF p_max_tasks IS NULL OR p_max_tasks NOT BETWEEN 1 AND 1000 THEN
     RAISE EXCEPTION 'max_tasks must be between 1 and 1000, got %', coalesce(p_max_tasks::TEXT, 'NULL')
       USING ERRCODE = '22023';
   END IF;
 
-  -- Pick idle stores with due work from the heads (one row per store, so a busy store costs one
-  -- row, not one per pending task), and store-less tasks directly; best first overall.
-  -- Locking the store row is what serialises claims of one store: a claim that loses the race
-  -- skips the store instead of tripping over idx_worker_tasks_unique_active_store.
-  WITH by_store AS (
-    SELECT h.priority, h.due_at, h.dispensary_id, NULL::INTEGER AS task_id
+  -- Heads that a task not yet due at their last derivation may now overtake.
+  SELECT array_agg(r.dispensary_id)
+  INTO v_stores
+  FROM (
+    SELECT h.dispensary_id
     FROM worker_task_heads h
     JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
     WHERE h.role = p_role
-      AND h.due_at <= now()
-      AND s.active_task_id IS NULL
-    ORDER BY h.priority DESC, h.due_at, h.dispensary_id
-    LIMIT p_max_tasks
+      AND h.recheck_at <= now()
+    ORDER BY h.recheck_at
+    LIMIT 100
     FOR UPDATE OF s SKIP LOCKED
-  ),
-  loose AS (
-    SELECT t.priority, t.due_at, NULL::INTEGER AS dispensary_id, t.id AS task_id
-    FROM worker_tasks t
-    WHERE t.role = p_role
-      AND t.status = 'pending'
-      AND t.dispensary_id IS NULL
-      AND t.due_at <= now()
-    ORDER BY t.priority DESC, t.due_at, t.id
-    LIMIT p_max_tasks
-    FOR UPDATE OF t SKIP LOCKED
-  ),
-  best AS (
-    SELECT * FROM by_store
-    UNION ALL
-    SELECT * FROM loose
-    ORDER BY priority DESC, due_at
-    LIMIT p_max_tasks
-  )
-  SELECT
-    array_agg(dispensary_id) FILTER (WHERE dispensary_id IS NOT NULL),
-    array_agg(task_id) FILTER (WHERE task_id IS NOT NULL)
-  INTO v_stores, v_loose
-  FROM best;
-
-  IF v_stores IS NULL AND v_loose IS NULL THEN
-    -- Checked here, off the hot path: an unknown role is an error, not an empty queue.
-    PERFORM tq_require_role(p_role);
-    RETURN;
+  ) r;
+  IF v_stores IS NOT NULL THEN
+    PERFORM tq_refresh_heads(v_stores, array_fill(p_role, ARRAY[cardinality(v_stores)]));
   END IF;
 
-  -- The store locks taken above keep other claims away from these stores; the status check in
-  -- the UPDATE (re-evaluated if a cancel got there first) keeps a cancelled task cancelled.
-  RETURN QUERY
-  WITH picked AS (
-    SELECT t.id
-    FROM unnest(v_stores) AS s (dispensary_id)
-    CROSS JOIN LATERAL (
-      SELECT t.id
+  -- A store picked below can come back empty only when its best task is locked by another
+  -- writer (a cancel); try again without it rather than return less than is due. Each pass
+  -- leaves out at least one more store, so the loop ends.
+  LOOP
+    -- Idle stores with due work, from the heads, and store-less tasks, best first overall.
+    -- Locking the store row serialises the claims of one store: a claim that loses the race
+    -- skips the store instead of tripping over idx_worker_tasks_unique_active_store.
+    WITH by_store AS (
+      SELECT h.priority, h.due_at, h.dispensary_id, NULL::INTEGER AS task_id
+      FROM worker_task_heads h
+      JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+      WHERE h.role = p_role
+        AND h.due_at <= now()
+        AND s.active_task_id IS NULL
+        AND h.dispensary_id <> ALL (v_skip)
+      ORDER BY h.priority DESC, h.due_at, h.dispensary_id
+      LIMIT v_want
+      FOR UPDATE OF s SKIP LOCKED
+    ),
+    loose AS (
+      SELECT t.priority, t.due_at, NULL::INTEGER AS dispensary_id, t.id AS task_id
       FROM worker_tasks t
-      WHERE t.dispensary_id = s.dispensary_id
-        AND t.role = p_role
+      WHERE t.role = p_role
         AND t.status = 'pending'
+        AND t.dispensary_id IS NULL
         AND t.due_at <= now()
       ORDER BY t.priority DESC, t.due_at, t.id
-      LIMIT 1
-    ) t
-    UNION ALL
-    SELECT unnest(v_loose)
-  ),
-  claimed AS (
-    UPDATE worker_tasks t
-    SET status = CASE WHEN p_start THEN 'running' ELSE 'claimed' END,
-        worker_id = p_worker_id,
-        claimed_at = now(),
-        started_at = CASE WHEN p_start THEN now() END,
-        completed_at = NULL,
-        -- A fresh lease: a recovered task's old heartbeat must not count against its new owner.
-        last_heartbeat_at = now()
-    FROM picked p
-    WHERE t.id = p.id
-      AND t.status = 'pending'
-    RETURNING t.*
-  )
-  SELECT * FROM claimed c ORDER BY c.priority DESC, c.due_at, c.id;
+      LIMIT v_want
+      FOR UPDATE OF t SKIP LOCKED
+    ),
+    best AS (
+      SELECT * FROM by_store
+      UNION ALL
+      SELECT * FROM loose
+      ORDER BY priority DESC, due_at
+      LIMIT v_want
+    )
+    SELECT
+      array_agg(dispensary_id) FILTER (WHERE dispensary_id IS NOT NULL),
+      array_agg(task_id) FILTER (WHERE task_id IS NOT NULL)
+    INTO v_stores, v_loose
+    FROM best;
 
-  IF v_stores IS NOT NULL THEN
-    PERFORM tq_refresh_heads(p_role, v_stores);
-  END IF;
+    IF v_stores IS NULL AND v_loose IS NULL THEN
+      IF cardinality(v_skip) = 0 THEN
+        -- Checked here, off the hot path: an unknown role is an error, not an empty queue.
+        PERFORM tq_require_role(p_role);
+      END IF;
+      RETURN;
+    END IF;
+
+    -- The statement trigger marks the stores busy and re-derives their heads.
+    RETURN QUERY
+    WITH picked AS (
+      SELECT t.id
+      FROM unnest(v_stores) AS s (dispensary_id)
+      CROSS JOIN LATERAL (
+        SELECT t.id
+        FROM worker_tasks t
+        WHERE t.dispensary_id = s.dispensary_id
+          AND t.role = p_role
+          AND t.status = 'pending'
+          AND t.due_at <= now()
+        ORDER BY t.priority DESC, t.due_at, t.id
+        LIMIT 1
+        FOR UPDATE OF t SKIP LOCKED
+      ) t
+      UNION ALL
+      SELECT unnest(v_loose)
+    ),
+    claimed AS (
+      UPDATE worker_tasks t
+      SET status = CASE WHEN p_start THEN 'running' ELSE 'claimed' END,
+          worker_id = p_worker_id,
+          claimed_at = now(),
+          started_at = CASE WHEN p_start THEN now() END,
+          completed_at = NULL,
+          -- A fresh lease: a recovered task's old heartbeat must not count against its new owner.
+          last_heartbeat_at = now()
+      FROM picked p
+      WHERE t.id = p.id
+      RETURNING t.*
+    )
+    SELECT * FROM claimed c ORDER BY c.priority DESC, c.due_at, c.id;
+
+    GET DIAGNOSTICS v_claimed = ROW_COUNT;
+    v_want := v_want - v_claimed;
+    EXIT WHEN v_want <= 0
+      OR v_claimed = coalesce(cardinality(v_stores), 0) + coalesce(cardinality(v_loose), 0);
+    -- Stores that yielded nothing (we still hold their rows): re-derive their heads, in case
+    -- the head outlived its task (a deleted row), and leave them out of the next attempt.
+    v_stores := ARRAY(
+      SELECT s.dispensary_id
+      FROM worker_task_stores s
+      WHERE s.dispensary_id = ANY (v_stores)
+        AND s.active_task_id IS NULL
+    );
+    PERFORM tq_refresh_heads(v_stores, array_fill(p_role, ARRAY[cardinality(v_stores)]));
+    v_skip := v_skip || v_stores;
+  END LOOP;
 END;
 $$;
 
@@ -629,58 +665,95 @@ $$;
 
 
 --
--- Name: tq_merge_head(character varying, integer, integer, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+-- Name: tq_lock_and_refresh(integer[], character varying[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.tq_merge_head(p_role character varying, p_dispensary_id integer, p_priority integer, p_due_at timestamp with time zone) RETURNS void
+CREATE FUNCTION public.tq_lock_and_refresh(p_stores integer[], p_roles character varying[]) RETURNS void
     LANGUAGE plpgsql
     AS $$
 BEGIN
-  INSERT INTO worker_task_heads AS h (role, dispensary_id, priority, due_at)
-  VALUES (p_role, p_dispensary_id, p_priority, p_due_at)
-  ON CONFLICT (role, dispensary_id) DO UPDATE
-  SET priority = greatest(h.priority, excluded.priority),
-      due_at = least(h.due_at, excluded.due_at)
-  WHERE excluded.priority > h.priority OR excluded.due_at < h.due_at;
+  PERFORM 1
+  FROM worker_task_stores s
+  WHERE s.dispensary_id = ANY (p_stores)
+  ORDER BY s.dispensary_id
+  FOR UPDATE;
+  PERFORM tq_refresh_heads(p_stores, p_roles);
 END;
 $$;
 
 
 --
--- Name: tq_refresh_heads(character varying, integer[]); Type: FUNCTION; Schema: public; Owner: -
+-- Name: tq_refresh_heads(integer[], character varying[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.tq_refresh_heads(p_role character varying, p_stores integer[]) RETURNS void
+CREATE FUNCTION public.tq_refresh_heads(p_stores integer[], p_roles character varying[]) RETURNS void
     LANGUAGE plpgsql
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 BEGIN
-  WITH fresh AS (
+  WITH keys AS (
+    SELECT DISTINCT k.dispensary_id, k.role
+    FROM unnest(p_stores, p_roles) AS k (dispensary_id, role)
+    WHERE k.dispensary_id IS NOT NULL
+  ),
+  fresh AS (
     SELECT
-      s.dispensary_id,
-      (SELECT t.priority
-       FROM worker_tasks t
-       WHERE t.dispensary_id = s.dispensary_id AND t.role = p_role AND t.status = 'pending'
-       ORDER BY t.priority DESC
-       LIMIT 1) AS priority,
+      k.dispensary_id,
+      k.role,
+      h.priority,
+      h.due_at,
       (SELECT min(t.due_at)
        FROM worker_tasks t
-       WHERE t.dispensary_id = s.dispensary_id AND t.role = p_role AND t.status = 'pending') AS due_at
-    FROM unnest(p_stores) AS s (dispensary_id)
+       WHERE t.dispensary_id = k.dispensary_id
+         AND t.role = k.role
+         AND t.status = 'pending'
+         AND t.due_at > greatest(now(), h.due_at)
+         AND t.priority > h.priority) AS recheck_at
+    FROM keys k
+    LEFT JOIN LATERAL (
+      SELECT c.priority, c.due_at
+      FROM (
+        -- the best due task in claim order ...
+        (SELECT t.priority, t.due_at
+         FROM worker_tasks t
+         WHERE t.dispensary_id = k.dispensary_id
+           AND t.role = k.role
+           AND t.status = 'pending'
+           AND t.due_at <= now()
+         ORDER BY t.priority DESC, t.due_at, t.id
+         LIMIT 1)
+        UNION ALL
+        -- ... else the next to come due
+        (SELECT t.priority, t.due_at
+         FROM worker_tasks t
+         WHERE t.dispensary_id = k.dispensary_id
+           AND t.role = k.role
+           AND t.status = 'pending'
+           AND t.due_at > now()
+         ORDER BY t.due_at, t.priority DESC, t.id
+         LIMIT 1)
+      ) c
+      LIMIT 1
+    ) h ON true
   ),
-  moved AS (
-    UPDATE worker_task_heads h
-    SET priority = f.priority, due_at = f.due_at
-    FROM fresh f
-    WHERE h.role = p_role
+  gone AS (
+    DELETE FROM worker_task_heads h
+    USING fresh f
+    WHERE h.role = f.role
       AND h.dispensary_id = f.dispensary_id
-      AND f.priority IS NOT NULL
-      AND (h.priority, h.due_at) IS DISTINCT FROM (f.priority, f.due_at)
+      AND f.priority IS NULL
   )
-  DELETE FROM worker_task_heads h
-  USING fresh f
-  WHERE h.role = p_role
-    AND h.dispensary_id = f.dispensary_id
-    AND f.priority IS NULL;
+  INSERT INTO worker_task_heads AS h (role, dispensary_id, priority, due_at, recheck_at)
+  SELECT f.role, f.dispensary_id, f.priority, f.due_at, f.recheck_at
+  FROM fresh f
+  WHERE f.priority IS NOT NULL
+  ORDER BY f.dispensary_id, f.role
+  ON CONFLICT (role, dispensary_id) DO UPDATE
+  SET priority = excluded.priority,
+      due_at = excluded.due_at,
+      recheck_at = excluded.recheck_at
+  WHERE (h.priority, h.due_at, h.recheck_at)
+    IS DISTINCT FROM (excluded.priority, excluded.due_at, excluded.recheck_at);
 END;
 $$;
 
@@ -733,55 +806,33 @@ $$;
 
 
 --
--- Name: tq_task_changed(); Type: FUNCTION; Schema: public; Owner: -
+-- Name: tq_tasks_deleted(); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.tq_task_changed() RETURNS trigger
+CREATE FUNCTION public.tq_tasks_deleted() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 DECLARE
-  was_active BOOLEAN := OLD.status IN ('claimed', 'running');
-  is_active BOOLEAN := NEW.status IN ('claimed', 'running');
-  moved BOOLEAN := OLD.dispensary_id IS DISTINCT FROM NEW.dispensary_id;
+  v_stores INTEGER[];
+  v_roles VARCHAR[];
 BEGIN
-  IF was_active AND (NOT is_active OR moved) AND OLD.dispensary_id IS NOT NULL THEN
-    UPDATE worker_task_stores
-    SET active_task_id = NULL
-    WHERE dispensary_id = OLD.dispensary_id
-      AND active_task_id = OLD.id;
-  END IF;
-
-  IF is_active AND (NOT was_active OR moved) AND NEW.dispensary_id IS NOT NULL THEN
-    UPDATE worker_task_stores SET active_task_id = NEW.id WHERE dispensary_id = NEW.dispensary_id;
-    IF NOT FOUND THEN
-      INSERT INTO worker_task_stores AS s (dispensary_id, active_task_id)
-      VALUES (NEW.dispensary_id, NEW.id)
-      ON CONFLICT (dispensary_id) DO UPDATE SET active_task_id = excluded.active_task_id;
-    END IF;
-  ELSIF NEW.status = 'pending' AND NEW.dispensary_id IS NOT NULL THEN
-    INSERT INTO worker_task_stores (dispensary_id)
-    VALUES (NEW.dispensary_id)
-    ON CONFLICT (dispensary_id) DO NOTHING;
-    PERFORM 1 FROM worker_task_stores WHERE dispensary_id = NEW.dispensary_id FOR UPDATE;
-    PERFORM tq_merge_head(NEW.role, NEW.dispensary_id, NEW.priority, NEW.due_at);
-  END IF;
-  RETURN NULL;
-END;
-$$;
-
-
---
--- Name: tq_task_deleted(); Type: FUNCTION; Schema: public; Owner: -
---
-
-CREATE FUNCTION public.tq_task_deleted() RETURNS trigger
-    LANGUAGE plpgsql
-    AS $$
-BEGIN
-  UPDATE worker_task_stores
+  -- A deleted active task frees its store ...
+  UPDATE worker_task_stores s
   SET active_task_id = NULL
-  WHERE dispensary_id = OLD.dispensary_id
-    AND active_task_id = OLD.id;
+  FROM old_tasks o
+  WHERE o.status IN ('claimed', 'running')
+    AND s.dispensary_id = o.dispensary_id
+    AND s.active_task_id = o.id;
+  -- ... and deleted pending work leaves its store's head.
+  SELECT array_agg(k.dispensary_id), array_agg(k.role)
+  INTO v_stores, v_roles
+  FROM (
+    SELECT DISTINCT dispensary_id, role FROM old_tasks
+    WHERE status = 'pending' AND dispensary_id IS NOT NULL
+  ) k;
+  IF v_stores IS NOT NULL THEN
+    PERFORM tq_lock_and_refresh(v_stores, v_roles);
+  END IF;
   RETURN NULL;
 END;
 $$;
@@ -794,36 +845,109 @@ $$;
 CREATE FUNCTION public.tq_tasks_inserted() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
+DECLARE
+  v_stores INTEGER[];
+  v_roles VARCHAR[];
 BEGIN
   INSERT INTO worker_task_stores (dispensary_id)
   SELECT DISTINCT dispensary_id FROM new_tasks WHERE dispensary_id IS NOT NULL
   ON CONFLICT (dispensary_id) DO NOTHING;
 
-  -- In store order, so that two inserting transactions cannot deadlock on each other. A claim
-  -- holding a store's row makes us wait; the claim never waits for us (SKIP LOCKED).
-  PERFORM 1
-  FROM worker_task_stores s
-  WHERE s.dispensary_id IN (SELECT dispensary_id FROM new_tasks WHERE status = 'pending')
-  ORDER BY s.dispensary_id
-  FOR UPDATE OF s;
-
-  INSERT INTO worker_task_heads AS h (role, dispensary_id, priority, due_at)
-  SELECT role, dispensary_id, max(priority), min(due_at)
-  FROM new_tasks
-  WHERE status = 'pending' AND dispensary_id IS NOT NULL
-  GROUP BY role, dispensary_id
-  ORDER BY dispensary_id, role
-  ON CONFLICT (role, dispensary_id) DO UPDATE
-  SET priority = greatest(h.priority, excluded.priority),
-      due_at = least(h.due_at, excluded.due_at)
-  WHERE excluded.priority > h.priority OR excluded.due_at < h.due_at;
-
-  -- Only direct INSERTs of already-claimed rows get here.
+  -- Rows inserted as already active (only direct INSERTs do that) make their store busy.
   UPDATE worker_task_stores s
   SET active_task_id = n.id
   FROM new_tasks n
   WHERE n.status IN ('claimed', 'running')
     AND s.dispensary_id = n.dispensary_id;
+
+  SELECT array_agg(dispensary_id), array_agg(role)
+  INTO v_stores, v_roles
+  FROM (SELECT DISTINCT dispensary_id, role FROM new_tasks WHERE status = 'pending' AND dispensary_id IS NOT NULL) p;
+  IF v_stores IS NOT NULL THEN
+    PERFORM tq_lock_and_refresh(v_stores, v_roles);
+  END IF;
+  RETURN NULL;
+END;
+$$;
+
+
+--
+-- Name: tq_tasks_truncated(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_tasks_truncated() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  DELETE FROM worker_task_heads;
+  UPDATE worker_task_stores SET active_task_id = NULL WHERE active_task_id IS NOT NULL;
+  RETURN NULL;
+END;
+$$;
+
+
+--
+-- Name: tq_tasks_updated(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_tasks_updated() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_stores INTEGER[];
+  v_roles VARCHAR[];
+BEGIN
+  -- A task moved to a store never seen before (only direct UPDATEs do that).
+  INSERT INTO worker_task_stores (dispensary_id)
+  SELECT DISTINCT n.dispensary_id
+  FROM new_tasks n
+  JOIN old_tasks o ON o.id = n.id
+  WHERE n.dispensary_id IS NOT NULL
+    AND n.dispensary_id IS DISTINCT FROM o.dispensary_id
+  ON CONFLICT (dispensary_id) DO NOTHING;
+
+  -- Stores whose active task finished, went back to pending, was cancelled or moved: idle.
+  UPDATE worker_task_stores s
+  SET active_task_id = NULL
+  FROM old_tasks o
+  JOIN new_tasks n ON n.id = o.id
+  WHERE o.status IN ('claimed', 'running')
+    AND (n.status NOT IN ('claimed', 'running') OR n.dispensary_id IS DISTINCT FROM o.dispensary_id)
+    AND s.dispensary_id = o.dispensary_id
+    AND s.active_task_id = o.id;
+
+  -- Stores whose task became active: busy. (Claims already hold these rows' locks.)
+  UPDATE worker_task_stores s
+  SET active_task_id = n.id
+  FROM new_tasks n
+  JOIN old_tasks o ON o.id = n.id
+  WHERE n.status IN ('claimed', 'running')
+    AND (o.status NOT IN ('claimed', 'running') OR o.dispensary_id IS DISTINCT FROM n.dispensary_id)
+    AND s.dispensary_id = n.dispensary_id;
+
+  -- Heads of every (store, role) whose pending work changed: a task left it (claimed,
+  -- cancelled, moved) or joined it (a retry, a recovery) or changed its place in claim order.
+  SELECT array_agg(k.dispensary_id), array_agg(k.role)
+  INTO v_stores, v_roles
+  FROM (
+    SELECT o.dispensary_id, o.role
+    FROM old_tasks o
+    JOIN new_tasks n ON n.id = o.id
+    WHERE o.status = 'pending'
+      AND (n.status <> 'pending' OR (n.dispensary_id, n.role, n.priority, n.due_at)
+                                    IS DISTINCT FROM (o.dispensary_id, o.role, o.priority, o.due_at))
+    UNION
+    SELECT n.dispensary_id, n.role
+    FROM new_tasks n
+    JOIN old_tasks o ON o.id = n.id
+    WHERE n.status = 'pending'
+      AND (o.status <> 'pending' OR (n.dispensary_id, n.role, n.priority, n.due_at)
+                                    IS DISTINCT FROM (o.dispensary_id, o.role, o.priority, o.due_at))
+  ) k
+  WHERE k.dispensary_id IS NOT NULL;
+  IF v_stores IS NOT NULL THEN
+    PERFORM tq_lock_and_refresh(v_stores, v_roles);
+  END IF;
   RETURN NULL;
 END;
 $$;
@@ -1113,7 +1237,8 @@ CREATE TABLE public.worker_task_heads (
     role character varying(50) NOT NULL,
     dispensary_id integer NOT NULL,
     priority integer NOT NULL,
-    due_at timestamp with time zone NOT NULL
+    due_at timestamp with time zone NOT NULL,
+    recheck_at timestamp with time zone
 );
 
 
@@ -1121,7 +1246,7 @@ CREATE TABLE public.worker_task_heads (
 -- Name: TABLE worker_task_heads; Type: COMMENT; Schema: public; Owner: -
 --
 
-COMMENT ON TABLE public.worker_task_heads IS 'Per role and store with pending work: best priority, earliest due time (kept by triggers)';
+COMMENT ON TABLE public.worker_task_heads IS 'Per role and store with pending work: the claim-order key of its next task (kept by triggers)';
 
 
 --
@@ -1295,6 +1420,13 @@ CREATE INDEX idx_worker_task_heads_order ON public.worker_task_heads USING btree
 
 
 --
+-- Name: idx_worker_task_heads_recheck; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX idx_worker_task_heads_recheck ON public.worker_task_heads USING btree (role, recheck_at) WHERE (recheck_at IS NOT NULL);
+
+
+--
 -- Name: idx_worker_tasks_created; Type: INDEX; Schema: public; Owner: -
 --
 
@@ -1358,17 +1490,10 @@ CREATE UNIQUE INDEX idx_worker_tasks_unique_active_store ON public.worker_tasks 
 
 
 --
--- Name: worker_tasks worker_tasks_changed; Type: TRIGGER; Schema: public; Owner: -
---
-
-CREATE TRIGGER worker_tasks_changed AFTER UPDATE ON public.worker_tasks FOR EACH ROW WHEN ((((old.dispensary_id IS NOT NULL) OR (new.dispensary_id IS NOT NULL)) AND ((((old.status)::text = ANY ((ARRAY['claimed'::character varying, 'running'::character varying])::text[])) IS DISTINCT FROM ((new.status)::text = ANY ((ARRAY['claimed'::character varying, 'running'::character varying])::text[]))) OR (((old.status)::text = 'pending'::text) IS DISTINCT FROM ((new.status)::text = 'pending'::text)) OR (old.dispensary_id IS DISTINCT FROM new.dispensary_id) OR (((new.status)::text = 'pending'::text) AND (((((old.role)::text IS DISTINCT FROM (new.role)::text) OR (old.priority IS DISTINCT FROM new.priority)) OR (old.scheduled_for IS DISTINCT FROM new.scheduled_for)) OR (old.created_at IS DISTINCT FROM new.created_at)))))) EXECUTE FUNCTION public.tq_task_changed();
-
-
---
 -- Name: worker_tasks worker_tasks_deleted; Type: TRIGGER; Schema: public; Owner: -
 --
 
-CREATE TRIGGER worker_tasks_deleted AFTER DELETE ON public.worker_tasks FOR EACH ROW WHEN ((((old.status)::text = ANY ((ARRAY['claimed'::character varying, 'running'::character varying])::text[])) AND (old.dispensary_id IS NOT NULL))) EXECUTE FUNCTION public.tq_task_deleted();
+CREATE TRIGGER worker_tasks_deleted AFTER DELETE ON public.worker_tasks REFERENCING OLD TABLE AS old_tasks FOR EACH STATEMENT EXECUTE FUNCTION public.tq_tasks_deleted();
 
 
 --
@@ -1376,6 +1501,20 @@ CREATE TRIGGER worker_tasks_deleted AFTER DELETE ON public.worker_tasks FOR EACH
 --
 
 CREATE TRIGGER worker_tasks_inserted AFTER INSERT ON public.worker_tasks REFERENCING NEW TABLE AS new_tasks FOR EACH STATEMENT EXECUTE FUNCTION public.tq_tasks_inserted();
+
+
+--
+-- Name: worker_tasks worker_tasks_truncated; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER worker_tasks_truncated AFTER TRUNCATE ON public.worker_tasks FOR EACH STATEMENT EXECUTE FUNCTION public.tq_tasks_truncated();
+
+
+--
+-- Name: worker_tasks worker_tasks_updated; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER worker_tasks_updated AFTER UPDATE ON public.worker_tasks REFERENCING OLD TABLE AS old_tasks NEW TABLE AS new_tasks FOR EACH STATEMENT EXECUTE FUNCTION public.tq_tasks_updated();
 
 
 --

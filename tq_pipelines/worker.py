@@ -78,6 +78,14 @@ class _Outcome:
     seconds: float = 0.0
 
 
+def _to_jsonb_text(value: JSON) -> str:
+    """JSON text that PostgreSQL's jsonb accepts: no NaN or Infinity, no NUL character."""
+    text = json.dumps(value, allow_nan=False)
+    if "\\u0000" in text:
+        raise ValueError("a string holds a NUL character (\\u0000), which jsonb refuses")
+    return text
+
+
 def default_worker_id(role: str) -> str:
     return f"{role}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"[:100]
 
@@ -128,6 +136,9 @@ class Worker:
         self._stop.set()
 
     def run(self) -> DrainStats:
+        """Drain until empty or out of time; returns what this run did."""
+        self.stats = DrainStats()
+        self._stop.clear()
         self.queue.register_worker(self.worker_id, self.role, hostname=socket.gethostname())
         started = time.monotonic()
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="tq-heartbeat", daemon=True)
@@ -201,9 +212,9 @@ class Worker:
         try:
             result = self.handler(ctx.task, ctx)
             try:
-                outcome.result_json = json.dumps(result)
+                outcome.result_json = _to_jsonb_text(result)
             except (TypeError, ValueError) as exc:
-                outcome.error = f"handler result is not JSON-serialisable: {exc}"
+                outcome.error = f"handler result cannot be stored as JSON: {exc}"
                 outcome.retryable = False
         except PermanentTaskError as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"

@@ -34,9 +34,10 @@ def insert_task(
     cols = {"role": role, "dispensary_id": dispensary_id, **cols}
     names = ", ".join(cols)
     marks = ", ".join(f"%({c})s" for c in cols)
-    return conn.execute(f"INSERT INTO worker_tasks ({names}) VALUES ({marks}) RETURNING id", cols).fetchone()[
-        0
-    ]
+    (task_id,) = conn.execute(
+        f"INSERT INTO worker_tasks ({names}) VALUES ({marks}) RETURNING id", cols
+    ).fetchone()
+    return task_id
 
 
 def heads(conn: psycopg.Connection, dispensary_id: int) -> list[tuple]:
@@ -274,15 +275,7 @@ def test_changed_task_does_not_hide_other_stores_due_work(
     "deleted",
     [
         1,
-        pytest.param(
-            3,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: a DELETE of pending tasks leaves their heads behind (no delete trigger for "
-                "pending rows) and claim_tasks gives up after 3 attempts, returning nothing while "
-                "other stores have due work",
-            ),
-        ),
+        3,
     ],
 )
 def test_deleted_pending_tasks_do_not_hide_other_stores_due_work(
@@ -485,9 +478,9 @@ def test_issue_7_fail_task_backs_off_exponentially_with_jitter(
     conn.execute("UPDATE worker_tasks SET retry_count = %s WHERE id = %s", (retry_count, task_id))
     assert queue.claim_many(ROLE, "w", 1, start=True)[0].id == task_id
     with conn.transaction():  # one transaction: now() is the now() fail_task saw
-        status = conn.execute("SELECT fail_task(%s, 'w', 'timeout talking to menu')", (task_id,)).fetchone()[
-            0
-        ]
+        (status,) = conn.execute(
+            "SELECT fail_task(%s, 'w', 'timeout talking to menu')", (task_id,)
+        ).fetchone()
         now = db_now(conn)
     assert status == "pending"
     t = queue.get(task_id)
@@ -1062,3 +1055,44 @@ def test_raw_sql_inserts_and_updates_keep_state_consistent(conn: psycopg.Connect
     assert queue.claim(ROLE, "w") is None
     assert queue.claim("product_discovery", "w").id == waiting
     assert_store_state_consistent(conn)
+
+
+def test_bulk_raw_sql_updates_keep_state_consistent(conn: psycopg.Connection, queue: TaskQueue):
+    """One UPDATE touching many stores at once (reprioritise, reschedule, release, move) keeps the
+    per-store state true, and claims follow it."""
+    stores = add_stores(conn, 12)
+    add_tasks(conn, ROLE, stores, 3, adjacent=False)
+    held = {t.dispensary_id: t.id for t in queue.claim_many(ROLE, "old", 6)}
+    assert sorted(held) == stores[:6]  # equal keys: store order
+    conn.execute("UPDATE worker_tasks SET priority = id % 4 WHERE status = 'pending'")
+    assert_store_state_consistent(conn)
+    later = stores[:3] + stores[6:9]
+    conn.execute(
+        "UPDATE worker_tasks SET scheduled_for = now() + interval '1 hour'"
+        " WHERE status = 'pending' AND dispensary_id = ANY(%s)",
+        (later,),
+    )
+    assert_store_state_consistent(conn)
+    conn.execute("UPDATE worker_tasks SET status = 'pending' WHERE id = ANY(%s)", (list(held.values()),))
+    assert_store_state_consistent(conn)
+    conn.execute(
+        "UPDATE worker_tasks SET dispensary_id = %s WHERE dispensary_id = %s AND status = 'pending'",
+        (stores[9], stores[11]),
+    )
+    assert_store_state_consistent(conn)
+    claimed = {t.dispensary_id: t.id for t in queue.claim_many(ROLE, "new", 20)}
+    # Stores 1-3 have only their released task due; 7-9 nothing due; 12 nothing left.
+    assert sorted(claimed) == stores[:6] + stores[9:11]
+    assert all(claimed[s] == held[s] for s in stores[:3])
+    assert_store_state_consistent(conn)
+
+
+def test_truncate_of_tasks_does_not_leave_stores_busy(conn: psycopg.Connection, queue: TaskQueue):
+    """After TRUNCATE worker_tasks (a reset), new work for a store that had an active task is claimable."""
+    (store,) = add_stores(conn, 1)
+    add_tasks(conn, ROLE, [store], 2)
+    assert queue.claim(ROLE, "w") is not None
+    conn.execute("TRUNCATE worker_tasks")
+    fresh = queue.enqueue(ROLE, store)
+    task = queue.claim(ROLE, "w")
+    assert task is not None and task.id == fresh
