@@ -145,17 +145,27 @@ class Worker:
         heartbeat.start()
         pool = ThreadPoolExecutor(self.concurrency, "tq-handler") if self.concurrency > 1 else None
         running: dict[Future[_Outcome], TaskContext] = {}
+        # After a short claim, wait for a handler to finish before asking again.
+        short = False
         try:
             while True:
                 budget_left = (
                     self.time_budget_seconds is None or time.monotonic() - started < self.time_budget_seconds
                 )
                 claimed: list[Task] = []
-                if budget_left and not self._stop.is_set() and len(running) < self.concurrency:
+                if (
+                    budget_left
+                    and not self._stop.is_set()
+                    and len(running) < self.concurrency
+                    and not (short and running)
+                ):
                     # With a pool, only as many as there are free threads: a task counts as
                     # running from its claim, so it must not wait in the pool's queue.
-                    want = self.batch_size if pool is None else self.concurrency - len(running)
-                    claimed = self._claim(min(want, self.batch_size))
+                    want = min(
+                        self.batch_size if pool is None else self.concurrency - len(running), self.batch_size
+                    )
+                    claimed = self._claim(want)
+                    short = len(claimed) < want
                 if claimed:
                     outcomes = (
                         [self._run_one(ctx) for ctx in self._contexts(claimed)]
@@ -164,6 +174,7 @@ class Worker:
                     )
                 elif running:
                     done, _ = wait(running, timeout=self.heartbeat_seconds, return_when=FIRST_COMPLETED)
+                    short = short and not done
                     outcomes = [f.result() for f in done]
                     for f in done:
                         del running[f]
