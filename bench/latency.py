@@ -41,19 +41,13 @@ from psycopg.conninfo import make_conninfo
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tq_pipelines.db.migrate import load_migrations, migrate
+from tq_pipelines.queue import ROLES
 
 ROLE = "product_resync"
 WORKER = "bench-latency"
 DB_V2 = "tq_bench_latency"
 DB_074 = "tq_bench_latency_074"
 STORES = 2000
-ROLES = (
-    "store_discovery",
-    "entry_point_discovery",
-    "product_discovery",
-    "product_resync",
-    "analytics_refresh",
-)
 STORELESS = ("store_discovery", "analytics_refresh")
 
 # --- 074, copied from its migration file; only the object names changed -------------------------

@@ -217,6 +217,9 @@ SET plan_cache_mode = force_generic_plan;
 -- re-derive their heads. A claim holding a store's row makes us wait; claims never wait for us.
 CREATE OR REPLACE FUNCTION tq_lock_and_refresh(p_stores INTEGER[], p_roles VARCHAR[]) RETURNS VOID AS $$
 BEGIN
+  IF p_stores IS NULL THEN
+    RETURN;
+  END IF;
   PERFORM 1
   FROM worker_task_stores s
   WHERE s.dispensary_id = ANY (p_stores)
@@ -227,9 +230,6 @@ END;
 $$ LANGUAGE plpgsql;
 
 CREATE OR REPLACE FUNCTION tq_tasks_inserted() RETURNS TRIGGER AS $$
-DECLARE
-  v_stores INTEGER[];
-  v_roles VARCHAR[];
 BEGIN
   INSERT INTO worker_task_stores (dispensary_id)
   SELECT DISTINCT dispensary_id FROM new_tasks WHERE dispensary_id IS NOT NULL
@@ -242,12 +242,11 @@ BEGIN
   WHERE n.status IN ('claimed', 'running')
     AND s.dispensary_id = n.dispensary_id;
 
-  SELECT array_agg(dispensary_id), array_agg(role)
-  INTO v_stores, v_roles
-  FROM (SELECT DISTINCT dispensary_id, role FROM new_tasks WHERE status = 'pending' AND dispensary_id IS NOT NULL) p;
-  IF v_stores IS NOT NULL THEN
-    PERFORM tq_lock_and_refresh(v_stores, v_roles);
-  END IF;
+  PERFORM tq_lock_and_refresh(array_agg(p.dispensary_id), array_agg(p.role))
+  FROM (
+    SELECT DISTINCT dispensary_id, role FROM new_tasks
+    WHERE status = 'pending' AND dispensary_id IS NOT NULL
+  ) p;
   RETURN NULL;
 END;
 $$ LANGUAGE plpgsql;
@@ -255,9 +254,6 @@ $$ LANGUAGE plpgsql;
 -- One call per UPDATE statement, set-based: a claim or completion of 20 tasks costs a few
 -- statements here, not 20 trigger calls.
 CREATE OR REPLACE FUNCTION tq_tasks_updated() RETURNS TRIGGER AS $$
-DECLARE
-  v_stores INTEGER[];
-  v_roles VARCHAR[];
 BEGIN
   -- A task moved to a store never seen before (only direct UPDATEs do that).
   INSERT INTO worker_task_stores (dispensary_id)
@@ -289,8 +285,7 @@ BEGIN
 
   -- Heads of every (store, role) whose pending work changed: a task left it (claimed,
   -- cancelled, moved) or joined it (a retry, a recovery) or changed its place in claim order.
-  SELECT array_agg(k.dispensary_id), array_agg(k.role)
-  INTO v_stores, v_roles
+  PERFORM tq_lock_and_refresh(array_agg(k.dispensary_id), array_agg(k.role))
   FROM (
     SELECT o.dispensary_id, o.role
     FROM old_tasks o
@@ -307,17 +302,11 @@ BEGIN
                                     IS DISTINCT FROM (o.dispensary_id, o.role, o.priority, o.due_at))
   ) k
   WHERE k.dispensary_id IS NOT NULL;
-  IF v_stores IS NOT NULL THEN
-    PERFORM tq_lock_and_refresh(v_stores, v_roles);
-  END IF;
   RETURN NULL;
 END;
 $$ LANGUAGE plpgsql;
 
 CREATE OR REPLACE FUNCTION tq_tasks_deleted() RETURNS TRIGGER AS $$
-DECLARE
-  v_stores INTEGER[];
-  v_roles VARCHAR[];
 BEGIN
   -- A deleted active task frees its store ...
   UPDATE worker_task_stores s
@@ -327,15 +316,11 @@ BEGIN
     AND s.dispensary_id = o.dispensary_id
     AND s.active_task_id = o.id;
   -- ... and deleted pending work leaves its store's head.
-  SELECT array_agg(k.dispensary_id), array_agg(k.role)
-  INTO v_stores, v_roles
+  PERFORM tq_lock_and_refresh(array_agg(k.dispensary_id), array_agg(k.role))
   FROM (
     SELECT DISTINCT dispensary_id, role FROM old_tasks
     WHERE status = 'pending' AND dispensary_id IS NOT NULL
   ) k;
-  IF v_stores IS NOT NULL THEN
-    PERFORM tq_lock_and_refresh(v_stores, v_roles);
-  END IF;
   RETURN NULL;
 END;
 $$ LANGUAGE plpgsql;
