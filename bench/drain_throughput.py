@@ -94,13 +94,13 @@ def run_bare(url: str, workers: int, batch: int) -> None:
         p.join()
 
 
-def wait_until_done(url: str, total: int, timeout: float) -> float:
+def wait_until_done(url: str, total: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     with psycopg.connect(url, autocommit=True) as conn:
         while time.monotonic() < deadline:
             done = conn.execute("SELECT count(*) FROM worker_tasks WHERE status = 'completed'").fetchone()
             if done and done[0] >= total:
-                return time.monotonic()
+                return
             time.sleep(0.2)
     raise SystemExit(f"not drained within {timeout:.0f} s")
 
@@ -145,15 +145,35 @@ def stop_dagster(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def wait_for_sensor(home: Path, timeout: float = 120) -> None:
-    """Until the daemon has evaluated task_queue_sensor once (the system is live)."""
+def wait_until_live(home: Path, dagster_url: str, timeout: float = 180) -> None:
+    """Until task_queue_sensor has ticked and resync_catchup_sensor's run for today (on a queue
+    with no stores yet, so it creates nothing) has finished: the system is live and idle."""
     deadline = time.monotonic() + timeout
     log = home / "dagster-dev.log"
     while time.monotonic() < deadline:
         if log.exists() and "Sensor task_queue_sensor skipped" in log.read_text(errors="replace"):
-            return
+            try:
+                with psycopg.connect(dagster_url) as conn:
+                    done = conn.execute(
+                        "SELECT count(*) FROM runs WHERE pipeline_name = 'generate_resync_tasks_job'"
+                        " AND status = 'SUCCESS'"
+                    ).fetchone()
+                if done and done[0]:
+                    return
+            except psycopg.errors.UndefinedTable:
+                pass
         time.sleep(0.5)
     raise SystemExit(f"dagster dev did not come up; see {log}")
+
+
+def generation_to_last_completion(url: str) -> float:
+    """Seconds from the first task's creation to the last completion, by the database's clock."""
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT extract(EPOCH FROM max(completed_at) - min(created_at)) FROM worker_tasks"
+        ).fetchone()
+    assert row and row[0] is not None
+    return float(row[0])
 
 
 def main() -> None:
@@ -175,25 +195,26 @@ def main() -> None:
     dagster_url = recreate_db(args.url, "tq_bench_drain_dagster")
     for url in (queue_url, bare_url):
         migrate(url)
-        load_stores(url, args.tasks)
+    load_stores(bare_url, args.tasks)
 
     with tempfile.TemporaryDirectory(prefix="tq-drain-bench-") as tmp:
         home = Path(tmp)
         proc = start_dagster(home, queue_url, dagster_url, args.runs, args.batch)
         try:
-            wait_for_sensor(home)
+            wait_until_live(home, dagster_url)
             generate(bare_url)
             run_bare(bare_url, args.runs, args.batch)
-            started = time.monotonic()
+            load_stores(queue_url, args.tasks)
             created = generate(queue_url)
-            finished = wait_until_done(queue_url, created, timeout=300)
+            assert created == args.tasks, created
+            wait_until_done(queue_url, created, timeout=300)
         finally:
             stop_dagster(proc)
     bare_n, bare_rate = overall_rate(bare_url)
     bare_workers = per_worker_rates(bare_url)
     dagster_n, dagster_rate = overall_rate(queue_url)
     runs = per_worker_rates(queue_url)
-    wall = finished - started
+    wall = generation_to_last_completion(queue_url)
 
     bare_per = sum(r for _, _, r in bare_workers) / len(bare_workers)
     run_per = sum(r for _, _, r in runs) / len(runs)

@@ -885,54 +885,88 @@ $$;
 CREATE FUNCTION public.tq_tasks_updated() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
+DECLARE
+  v_moved BOOLEAN;
+  v_freed BOOLEAN;
+  v_busied BOOLEAN;
+  v_queue_changed BOOLEAN;
 BEGIN
-  -- A task moved to a store never seen before (only direct UPDATEs do that).
-  INSERT INTO worker_task_stores (dispensary_id)
-  SELECT DISTINCT n.dispensary_id
-  FROM new_tasks n
-  JOIN old_tasks o ON o.id = n.id
-  WHERE n.dispensary_id IS NOT NULL
-    AND n.dispensary_id IS DISTINCT FROM o.dispensary_id
-  ON CONFLICT (dispensary_id) DO NOTHING;
-
-  -- Stores whose active task finished, went back to pending, was cancelled or moved: idle.
-  UPDATE worker_task_stores s
-  SET active_task_id = NULL
+  -- One pass to learn what changed, so that a start or a heartbeat costs one statement here.
+  SELECT
+    coalesce(bool_or(n.dispensary_id IS NOT NULL AND n.dispensary_id IS DISTINCT FROM o.dispensary_id), false),
+    coalesce(bool_or(
+      o.status IN ('claimed', 'running') AND o.dispensary_id IS NOT NULL
+      AND (n.status NOT IN ('claimed', 'running') OR n.dispensary_id IS DISTINCT FROM o.dispensary_id)
+    ), false),
+    coalesce(bool_or(
+      n.status IN ('claimed', 'running') AND n.dispensary_id IS NOT NULL
+      AND (o.status NOT IN ('claimed', 'running') OR o.dispensary_id IS DISTINCT FROM n.dispensary_id)
+    ), false),
+    coalesce(bool_or(
+      (o.status = 'pending' OR n.status = 'pending')
+      AND coalesce(o.dispensary_id, n.dispensary_id) IS NOT NULL
+      AND (n.status, n.dispensary_id, n.role, n.priority, n.due_at)
+          IS DISTINCT FROM (o.status, o.dispensary_id, o.role, o.priority, o.due_at)
+    ), false)
+  INTO v_moved, v_freed, v_busied, v_queue_changed
   FROM old_tasks o
-  JOIN new_tasks n ON n.id = o.id
-  WHERE o.status IN ('claimed', 'running')
-    AND (n.status NOT IN ('claimed', 'running') OR n.dispensary_id IS DISTINCT FROM o.dispensary_id)
-    AND s.dispensary_id = o.dispensary_id
-    AND s.active_task_id = o.id;
+  JOIN new_tasks n ON n.id = o.id;
 
-  -- Stores whose task became active: busy. (Claims already hold these rows' locks.)
-  UPDATE worker_task_stores s
-  SET active_task_id = n.id
-  FROM new_tasks n
-  JOIN old_tasks o ON o.id = n.id
-  WHERE n.status IN ('claimed', 'running')
-    AND (o.status NOT IN ('claimed', 'running') OR o.dispensary_id IS DISTINCT FROM n.dispensary_id)
-    AND s.dispensary_id = n.dispensary_id;
-
-  -- Heads of every (store, role) whose pending work changed: a task left it (claimed,
-  -- cancelled, moved) or joined it (a retry, a recovery) or changed its place in claim order.
-  PERFORM tq_lock_and_refresh(array_agg(k.dispensary_id), array_agg(k.role))
-  FROM (
-    SELECT o.dispensary_id, o.role
-    FROM old_tasks o
-    JOIN new_tasks n ON n.id = o.id
-    WHERE o.status = 'pending'
-      AND (n.status <> 'pending' OR (n.dispensary_id, n.role, n.priority, n.due_at)
-                                    IS DISTINCT FROM (o.dispensary_id, o.role, o.priority, o.due_at))
-    UNION
-    SELECT n.dispensary_id, n.role
+  IF v_moved THEN
+    -- A task moved to a store never seen before (only direct UPDATEs do that).
+    INSERT INTO worker_task_stores (dispensary_id)
+    SELECT DISTINCT n.dispensary_id
     FROM new_tasks n
     JOIN old_tasks o ON o.id = n.id
-    WHERE n.status = 'pending'
-      AND (o.status <> 'pending' OR (n.dispensary_id, n.role, n.priority, n.due_at)
-                                    IS DISTINCT FROM (o.dispensary_id, o.role, o.priority, o.due_at))
-  ) k
-  WHERE k.dispensary_id IS NOT NULL;
+    WHERE n.dispensary_id IS NOT NULL
+      AND n.dispensary_id IS DISTINCT FROM o.dispensary_id
+    ON CONFLICT (dispensary_id) DO NOTHING;
+  END IF;
+
+  IF v_freed THEN
+    -- Stores whose active task finished, went back to pending, was cancelled or moved: idle.
+    UPDATE worker_task_stores s
+    SET active_task_id = NULL
+    FROM old_tasks o
+    JOIN new_tasks n ON n.id = o.id
+    WHERE o.status IN ('claimed', 'running')
+      AND (n.status NOT IN ('claimed', 'running') OR n.dispensary_id IS DISTINCT FROM o.dispensary_id)
+      AND s.dispensary_id = o.dispensary_id
+      AND s.active_task_id = o.id;
+  END IF;
+
+  IF v_busied THEN
+    -- Stores whose task became active: busy. (Claims already hold these rows' locks.)
+    UPDATE worker_task_stores s
+    SET active_task_id = n.id
+    FROM new_tasks n
+    JOIN old_tasks o ON o.id = n.id
+    WHERE n.status IN ('claimed', 'running')
+      AND (o.status NOT IN ('claimed', 'running') OR o.dispensary_id IS DISTINCT FROM n.dispensary_id)
+      AND s.dispensary_id = n.dispensary_id;
+  END IF;
+
+  IF v_queue_changed THEN
+    -- Heads of every (store, role) whose pending work changed: a task left it (claimed,
+    -- cancelled, moved) or joined it (a retry, a recovery) or changed its place in claim order.
+    PERFORM tq_lock_and_refresh(array_agg(k.dispensary_id), array_agg(k.role))
+    FROM (
+      SELECT o.dispensary_id, o.role
+      FROM old_tasks o
+      JOIN new_tasks n ON n.id = o.id
+      WHERE o.status = 'pending'
+        AND (n.status, n.dispensary_id, n.role, n.priority, n.due_at)
+            IS DISTINCT FROM (o.status, o.dispensary_id, o.role, o.priority, o.due_at)
+      UNION
+      SELECT n.dispensary_id, n.role
+      FROM new_tasks n
+      JOIN old_tasks o ON o.id = n.id
+      WHERE n.status = 'pending'
+        AND (n.status, n.dispensary_id, n.role, n.priority, n.due_at)
+            IS DISTINCT FROM (o.status, o.dispensary_id, o.role, o.priority, o.due_at)
+    ) k
+    WHERE k.dispensary_id IS NOT NULL;
+  END IF;
   RETURN NULL;
 END;
 $$;
