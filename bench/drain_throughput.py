@@ -29,7 +29,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.queue_throughput import recreate_db  # noqa: E402
+from bench.queue_throughput import recreate_db, reset_stores  # noqa: E402
 from tq_pipelines.db import sqlalchemy_url  # noqa: E402
 from tq_pipelines.db.migrate import migrate  # noqa: E402
 from tq_pipelines.queue import TaskQueue  # noqa: E402
@@ -40,15 +40,7 @@ ROLE = "product_resync"
 
 def load_stores(url: str, stores: int) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("TRUNCATE worker_tasks, worker_task_heads, worker_task_stores, worker_registry CASCADE")
-        conn.execute("DELETE FROM dispensaries")
-        conn.execute(
-            """
-            INSERT INTO dispensaries (name, menu_type, platform_dispensary_id)
-            SELECT 'store ' || g, 'dutchie', 'pid-' || g FROM generate_series(1, %s) g
-            """,
-            (stores,),
-        )
+        reset_stores(conn, stores)
         conn.execute("VACUUM ANALYZE dispensaries")
 
 

@@ -43,18 +43,23 @@ def recreate_db(server: str, name: str) -> str:
     return make_conninfo(server, dbname=name)
 
 
+def reset_stores(conn: psycopg.Connection, stores: int) -> None:
+    """An empty queue and ``stores`` crawlable dutchie stores."""
+    conn.execute("TRUNCATE worker_tasks, worker_task_heads, worker_task_stores, worker_registry CASCADE")
+    conn.execute("DELETE FROM dispensaries")
+    conn.execute(
+        """
+        INSERT INTO dispensaries (name, menu_type, platform_dispensary_id)
+        SELECT 'store ' || g, 'dutchie', 'pid-' || g FROM generate_series(1, %s) g
+        """,
+        (stores,),
+    )
+
+
 def load(url: str, tasks: int, stores: int, layout: str) -> None:
     per_store = tasks // stores
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("TRUNCATE worker_tasks, worker_task_heads, worker_task_stores, worker_registry CASCADE")
-        conn.execute("DELETE FROM dispensaries")
-        conn.execute(
-            """
-            INSERT INTO dispensaries (name, menu_type, platform_dispensary_id)
-            SELECT 'store ' || g, 'dutchie', 'pid-' || g FROM generate_series(1, %s) g
-            """,
-            (stores,),
-        )
+        reset_stores(conn, stores)
         order = "d.id, k" if layout == "adjacent" else "k, d.id"
         conn.execute(
             sql.SQL(
