@@ -24,6 +24,7 @@ due ones in 074's claim order (created a day earlier, same priority, each on its
 import argparse
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -41,6 +42,7 @@ from psycopg.conninfo import make_conninfo
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tq_pipelines.db.migrate import load_migrations, migrate
+from tq_pipelines.db.schema import split_statements
 from tq_pipelines.queue import ROLES
 
 ROLE = "product_resync"
@@ -50,118 +52,33 @@ DB_074 = "tq_bench_latency_074"
 STORES = 2000
 STORELESS = ("store_discovery", "analytics_refresh")
 
-# --- 074, copied from its migration file; only the object names changed -------------------------
+# --- 074, read from the original migration; only the object names change --------------------
 
-VIEWS_074 = """
-CREATE OR REPLACE VIEW v_worker_capacity_074 AS
-SELECT
-  role,
-  COUNT(*) FILTER (WHERE status = 'pending') as pending_tasks,
-  COUNT(*) FILTER (WHERE status = 'pending' AND (scheduled_for IS NULL OR scheduled_for <= NOW())) as ready_tasks,
-  COUNT(*) FILTER (WHERE status = 'claimed') as claimed_tasks,
-  COUNT(*) FILTER (WHERE status = 'running') as running_tasks,
-  COUNT(*) FILTER (WHERE status = 'completed' AND completed_at > NOW() - INTERVAL '1 hour') as completed_last_hour,
-  COUNT(*) FILTER (WHERE status = 'failed' AND completed_at > NOW() - INTERVAL '1 hour') as failed_last_hour,
-  COUNT(DISTINCT worker_id) FILTER (WHERE status IN ('claimed', 'running')) as active_workers,
-  AVG(EXTRACT(EPOCH FROM (completed_at - started_at)))
-    FILTER (WHERE status = 'completed' AND completed_at > NOW() - INTERVAL '1 hour') as avg_duration_sec,
-  -- Capacity planning metrics
-  CASE
-    WHEN COUNT(*) FILTER (WHERE status = 'completed' AND completed_at > NOW() - INTERVAL '1 hour') > 0
-    THEN 3600.0 / NULLIF(AVG(EXTRACT(EPOCH FROM (completed_at - started_at)))
-      FILTER (WHERE status = 'completed' AND completed_at > NOW() - INTERVAL '1 hour'), 0)
-    ELSE NULL
-  END as tasks_per_worker_hour,
-  -- Estimated time to drain queue
-  CASE
-    WHEN COUNT(DISTINCT worker_id) FILTER (WHERE status IN ('claimed', 'running')) > 0
-      AND COUNT(*) FILTER (WHERE status = 'completed' AND completed_at > NOW() - INTERVAL '1 hour') > 0
-    THEN COUNT(*) FILTER (WHERE status = 'pending') / NULLIF(
-      COUNT(DISTINCT worker_id) FILTER (WHERE status IN ('claimed', 'running')) *
-      (3600.0 / NULLIF(AVG(EXTRACT(EPOCH FROM (completed_at - started_at)))
-        FILTER (WHERE status = 'completed' AND completed_at > NOW() - INTERVAL '1 hour'), 0)),
-      0
-    )
-    ELSE NULL
-  END as estimated_hours_to_drain
-FROM worker_tasks
-GROUP BY role;
+SEED_074 = (
+    Path(__file__).resolve().parents[1] / "tests" / "migration" / "fixtures" / "074_worker_task_queue.sql"
+)
+RENAMED_074 = {
+    "v_worker_capacity": "v_worker_capacity_074",
+    "v_task_history": "v_task_history_074",
+    "claim_task": "claim_task_074",
+}
 
-CREATE OR REPLACE VIEW v_task_history_074 AS
-SELECT
-  t.id,
-  t.role,
-  t.dispensary_id,
-  d.name as dispensary_name,
-  t.platform,
-  t.status,
-  t.priority,
-  t.worker_id,
-  t.scheduled_for,
-  t.claimed_at,
-  t.started_at,
-  t.completed_at,
-  t.error_message,
-  t.retry_count,
-  t.created_at,
-  EXTRACT(EPOCH FROM (t.completed_at - t.started_at)) as duration_sec
-FROM worker_tasks t
-LEFT JOIN dispensaries d ON d.id = t.dispensary_id
-ORDER BY t.created_at DESC;
-"""  # noqa: E501  (074 as written)
 
-CLAIM_074 = """
-CREATE OR REPLACE FUNCTION claim_task_074(
-  p_role VARCHAR(50),
-  p_worker_id VARCHAR(100)
-) RETURNS worker_tasks AS $$
-DECLARE
-  claimed_task worker_tasks;
-BEGIN
-  UPDATE worker_tasks
-  SET
-    status = 'claimed',
-    worker_id = p_worker_id,
-    claimed_at = NOW(),
-    updated_at = NOW()
-  WHERE id = (
-    SELECT id FROM worker_tasks
-    WHERE role = p_role
-      AND status = 'pending'
-      AND (scheduled_for IS NULL OR scheduled_for <= NOW())
-      -- Exclude stores that already have an active task
-      AND (dispensary_id IS NULL OR dispensary_id NOT IN (
-        SELECT dispensary_id FROM worker_tasks
-        WHERE status IN ('claimed', 'running')
-        AND dispensary_id IS NOT NULL
-      ))
-    ORDER BY priority DESC, created_at ASC
-    LIMIT 1
-    FOR UPDATE SKIP LOCKED
-  )
-  RETURNING * INTO claimed_task;
+def original_074(*, with_trigger: bool) -> str:
+    """074's views and claim_task under the _074 names, and (for a database built from 0001 and
+    0002 only, which lack it) its updated_at trigger, as released."""
+    wanted = []
+    for statement in split_statements(SEED_074.read_text()):
+        head = " ".join(statement.split()[:6])
+        if any(f" {name}" in head for name in RENAMED_074) and head.startswith("CREATE"):
+            renamed = statement
+            for old, new in RENAMED_074.items():
+                renamed = re.sub(rf"\b{old}\b", new, renamed)
+            wanted.append(renamed)
+        elif with_trigger and "update_worker_tasks_timestamp" in statement and not head.startswith("COMMENT"):
+            wanted.append(statement)
+    return "\n".join(wanted)
 
-  RETURN claimed_task;
-END;
-$$ LANGUAGE plpgsql;
-"""
-
-# The 0002 migration has 074's tables and indexes but not its trigger; 0003 has its own.
-TRIGGER_074 = """
-CREATE OR REPLACE FUNCTION update_worker_tasks_timestamp()
-RETURNS TRIGGER AS $$
-BEGIN
-  NEW.updated_at = NOW();
-  RETURN NEW;
-END;
-$$ LANGUAGE plpgsql;
-
-DROP TRIGGER IF EXISTS worker_tasks_updated_at ON worker_tasks;
-CREATE TRIGGER worker_tasks_updated_at
-  BEFORE UPDATE ON worker_tasks
-  FOR EACH ROW
-  EXECUTE FUNCTION update_worker_tasks_timestamp();
-"""
 
 # 074 had no completion function: its callers updated the row. This mirrors complete_task.
 COMPLETE_074 = """
@@ -322,9 +239,9 @@ def setup(server: str) -> tuple[Bench, Bench, Bench]:
     migrate(v2_url)
     orig_url = recreate_db(server, DB_074)
     migrate(orig_url, [m for m in load_migrations() if m.version in ("0001", "0002")])
-    for url, extra in ((v2_url, ""), (orig_url, TRIGGER_074)):
+    for url, with_trigger in ((v2_url, False), (orig_url, True)):
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(VIEWS_074 + CLAIM_074 + extra)
+            conn.execute(original_074(with_trigger=with_trigger))
     v2 = Bench(
         "tq_pipelines",
         v2_url,
