@@ -238,6 +238,11 @@ class Worker:
     def _record(self, outcomes: list[_Outcome]) -> None:
         if not outcomes:
             return
+        # Out of the heartbeat's sight first: a lease it found gone a moment after our own
+        # completion would be reported as lost.
+        with self._lock:
+            for o in outcomes:
+                self._in_flight.pop(o.ctx.task.id, None)
         successes = {o.ctx.task.id: o.result_json for o in outcomes if o.error is None and not o.ctx.lost}
         completed = self.queue.complete_many_json(self.worker_id, successes)  # type: ignore[arg-type]
         self.stats.completed += len(completed)
@@ -255,9 +260,6 @@ class Worker:
                     self.log.warning("task %s failed: %s", o.ctx.task.id, o.error)
                 else:
                     self.stats.lost += 1
-        with self._lock:
-            for o in outcomes:
-                self._in_flight.pop(o.ctx.task.id, None)
         self.stats.last_finish_at = time.monotonic()
 
     def _heartbeat_loop(self) -> None:
