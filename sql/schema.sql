@@ -926,6 +926,19 @@ BEGIN
 
   IF v_freed THEN
     -- Stores whose active task finished, went back to pending, was cancelled or moved: idle.
+    -- Locked in store order first, like every other multi-store locker (tq_lock_and_refresh),
+    -- so that a batch completion or recovery cannot deadlock with a bulk insert.
+    PERFORM 1
+    FROM worker_task_stores s
+    WHERE s.dispensary_id IN (
+        SELECT o.dispensary_id
+        FROM old_tasks o
+        JOIN new_tasks n ON n.id = o.id
+        WHERE o.status IN ('claimed', 'running')
+          AND (n.status NOT IN ('claimed', 'running') OR n.dispensary_id IS DISTINCT FROM o.dispensary_id)
+      )
+    ORDER BY s.dispensary_id
+    FOR UPDATE;
     UPDATE worker_task_stores s
     SET active_task_id = NULL
     FROM old_tasks o
