@@ -177,7 +177,7 @@ def main() -> None:
     )
     parser.add_argument("--tasks", type=int, default=10000)
     parser.add_argument("--runs", type=int, default=1, help="drain runs (and bare workers) at once")
-    parser.add_argument("--batch", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=50, help="tasks per claim (the Worker default)")
     args = parser.parse_args()
 
     # Two queue databases on the same server: one the sensor watches, one for the bare loop,

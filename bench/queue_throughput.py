@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--layouts", default="adjacent,interleaved")
     parser.add_argument("--tasks", type=int, default=20000)
     parser.add_argument("--stores", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=50, help="tasks per claim (the Worker default)")
     parser.add_argument("--pgbench-seconds", type=int, default=10)
     args = parser.parse_args()
 

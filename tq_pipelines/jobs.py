@@ -81,7 +81,7 @@ def recover_stale_tasks_job() -> None:
 
 class DrainConfig(dg.Config):
     role: str = Field(description="The role whose tasks this run drains")
-    batch_size: int = Field(default=20, ge=1, le=1000, description="Tasks per claim when handlers run inline")
+    batch_size: int = Field(default=50, ge=1, le=1000, description="Tasks per claim when handlers run inline")
     concurrency: int = Field(default=1, ge=1, le=256, description="Handlers running at once (1: inline)")
     time_budget_seconds: float = Field(default=600, gt=0, description="Stop claiming after this long")
     heartbeat_seconds: float = Field(default=30, gt=0, description="Lease heartbeat interval")

@@ -28,7 +28,7 @@ class QueueResource(dg.ConfigurableResource):
     # task_queue_sensor asks for one drain run per tasks_per_run ready tasks (within the caps);
     # each run drains until the queue is empty or its time budget is spent.
     tasks_per_run: int = 500
-    drain_batch_size: int = 20
+    drain_batch_size: int = 50
     drain_concurrency: int = 1
     drain_time_budget_seconds: float = 600
 

@@ -107,7 +107,7 @@ class Worker:
         handler: Handler,
         *,
         worker_id: str | None = None,
-        batch_size: int = 20,
+        batch_size: int = 50,
         concurrency: int = 1,
         heartbeat_seconds: float = 30.0,
         time_budget_seconds: float | None = None,

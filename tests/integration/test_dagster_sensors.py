@@ -96,7 +96,7 @@ def own_instance() -> Iterator[dg.DagsterInstance]:
 def evaluate_queue_sensor(
     instance: dg.DagsterInstance, db_url: str, cursor: str | None = None, **settings: Any
 ) -> Any:
-    settings = {"role_caps": f"{ROLE}=3", "tasks_per_run": 100, **settings}
+    settings = {"role_caps": f"{ROLE}=3", "tasks_per_run": 100, "drain_batch_size": 20, **settings}
     with dg.build_sensor_context(
         instance=instance, cursor=cursor, resources={"tq": QueueResource(database_url=db_url, **settings)}
     ) as ctx:
