@@ -1,5 +1,5 @@
-"""The Definitions of tq_pipelines load, and name what the issue asks for, with the schedules and
-sensors it describes. No database needed: resources resolve only when something runs."""
+"""The Definitions of tq_pipelines load and carry the names operators and the UI rely on, with the
+schedules and sensors described. No database needed: resources resolve only when something runs."""
 
 from datetime import UTC, datetime
 

@@ -48,7 +48,7 @@ def heads(conn: psycopg.Connection, dispensary_id: int) -> list[tuple]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 5: concurrent claims never trip the unique index; issue 6: an empty claim is empty.
+# 074 defect 5: concurrent claims never trip the unique index; defect 6: an empty claim is empty.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -69,7 +69,7 @@ def heads(conn: psycopg.Connection, dispensary_id: int) -> list[tuple]:
         pytest.param(1, "SELECT id, dispensary_id FROM claim_tasks('product_resync', %s, 1)", id="one-store"),
     ],
 )
-def test_issue_5_open_transactions_claim_different_stores_without_unique_violation(
+def test_074_defect_5_open_transactions_claim_different_stores_without_unique_violation(
     db_url: str, conn: psycopg.Connection, stores: int, call: str
 ):
     """Two transactions claiming at once, neither committed: each gets a task of its own store
@@ -98,7 +98,7 @@ def test_issue_5_open_transactions_claim_different_stores_without_unique_violati
 
 
 @pytest.mark.parametrize("setup", ["empty", "future-only", "store-busy"])
-def test_issue_6_empty_claim_returns_nothing(conn: psycopg.Connection, queue: TaskQueue, setup: str):
+def test_074_defect_6_empty_claim_returns_nothing(conn: psycopg.Connection, queue: TaskQueue, setup: str):
     """Nothing due: claim is None, claim_many is [], claim_tasks has no row, claim_task IS NULL."""
     if setup != "empty":
         (store,) = add_stores(conn, 1)
@@ -447,7 +447,7 @@ def test_bad_input_is_refused_and_queue_still_works(
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 7: fail_task backs off and counts; the registry tells the truth.
+# 074 defect 7: fail_task backs off and counts; the registry tells the truth.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -460,7 +460,7 @@ def test_bad_input_is_refused_and_queue_still_works(
         pytest.param(7, 3600, 1, id="custom-base"),
     ],
 )
-def test_issue_7_fail_task_backs_off_exponentially_with_jitter(
+def test_074_defect_7_fail_task_backs_off_exponentially_with_jitter(
     conn: psycopg.Connection, queue: TaskQueue, base: int | None, cap: int | None, retry_count: int
 ):
     """A retryable failure puts the task back to pending, retry_count + 1, scheduled for
@@ -497,7 +497,7 @@ def test_issue_7_fail_task_backs_off_exponentially_with_jitter(
     assert_store_state_consistent(conn)
 
 
-def test_issue_7_fail_task_fails_after_max_retries_and_at_once_when_not_retryable(
+def test_074_defect_7_fail_task_fails_after_max_retries_and_at_once_when_not_retryable(
     conn: psycopg.Connection, queue: TaskQueue
 ):
     """Retryable failures retry max_retries times, then fail; a non-retryable one fails at once."""
@@ -535,7 +535,7 @@ def test_retry_jitter_spreads_tasks_that_failed_together(conn: psycopg.Connectio
     assert times > 1
 
 
-def test_issue_7_worker_registry_tracks_counts_and_status(conn: psycopg.Connection, queue: TaskQueue):
+def test_074_defect_7_worker_registry_tracks_counts_and_status(conn: psycopg.Connection, queue: TaskQueue):
     """register -> active; heartbeat with tasks -> active, without -> idle; complete/fail count;
     deregister -> offline (once)."""
 
@@ -575,7 +575,7 @@ def test_issue_7_worker_registry_tracks_counts_and_status(conn: psycopg.Connecti
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 2: generate_resync_tasks
+# 074 defect 2: generate_resync_tasks
 # ------------------------------------------------------------------------------------------------
 
 DAY = date(2024, 3, 10)  # a DST change in America/Los_Angeles
@@ -590,7 +590,9 @@ def resync_schedule(conn: psycopg.Connection) -> list[tuple[int, datetime, str]]
     ).fetchall()
 
 
-def test_issue_2_generate_resync_is_idempotent_per_store_and_date(conn: psycopg.Connection, queue: TaskQueue):
+def test_074_defect_2_generate_resync_is_idempotent_per_store_and_date(
+    conn: psycopg.Connection, queue: TaskQueue
+):
     """A second call for the same date creates nothing; another date gets its own tasks."""
     add_stores(conn, 10)
     assert queue.generate_resync(day=DAY) == 10
@@ -607,7 +609,9 @@ def test_issue_2_generate_resync_is_idempotent_per_store_and_date(conn: psycopg.
     )
 
 
-def test_issue_2_concurrent_generate_resync_creates_each_task_once(db_url: str, conn: psycopg.Connection):
+def test_074_defect_2_concurrent_generate_resync_creates_each_task_once(
+    db_url: str, conn: psycopg.Connection
+):
     """Two connections generating the same day at the same time: one set of tasks in total."""
     stores = 40
     add_stores(conn, stores)
@@ -648,7 +652,7 @@ def test_issue_2_concurrent_generate_resync_creates_each_task_once(db_url: str, 
     assert_store_state_consistent(conn)
 
 
-def test_issue_2_racing_threads_generate_resync_once(db_url: str, conn: psycopg.Connection):
+def test_074_defect_2_racing_threads_generate_resync_once(db_url: str, conn: psycopg.Connection):
     """Several threads calling generate_resync_tasks for the same day at once: rows == stores."""
     stores = 60
     add_stores(conn, stores)
@@ -678,7 +682,7 @@ def test_issue_2_racing_threads_generate_resync_once(db_url: str, conn: psycopg.
     ("stores", "batches"),
     [(6, 6), (12, 12), (13, 6), (3, 6), (50, 24), (7, 5), (5, 1)],
 )
-def test_issue_2_generate_resync_spreads_batches_evenly_over_the_utc_day(
+def test_074_defect_2_generate_resync_spreads_batches_evenly_over_the_utc_day(
     conn: psycopg.Connection, queue: TaskQueue, stores: int, batches: int
 ):
     """Times fall on the grid midnight UTC + k * 24h/batches within that day; every slot is used
@@ -701,7 +705,7 @@ def test_issue_2_generate_resync_spreads_batches_evenly_over_the_utc_day(
         assert sorted(t.hour for t in times) == list(range(0, 24, 2))
 
 
-def test_issue_2_generate_resync_ignores_session_timezone(conn: psycopg.Connection):
+def test_074_defect_2_generate_resync_ignores_session_timezone(conn: psycopg.Connection):
     """The same call under UTC, America/Los_Angeles and Asia/Kolkata schedules the same UTC instants."""
     add_stores(conn, 12)
     schedules = {}
@@ -721,7 +725,7 @@ FAR_ZONES = ["Pacific/Kiritimati", "Pacific/Pago_Pago"]
 
 
 @pytest.mark.parametrize("tz", FAR_ZONES)
-def test_issue_2_generate_resync_default_date_is_the_utc_date(conn: psycopg.Connection, tz: str):
+def test_074_defect_2_generate_resync_default_date_is_the_utc_date(conn: psycopg.Connection, tz: str):
     """Without a date, the UTC day is used, whatever the session's local date."""
     add_stores(conn, 3)
     conn.execute("SELECT set_config('TimeZone', %s, false)", (tz,))
@@ -744,7 +748,7 @@ def test_issue_2_generate_resync_default_date_is_the_utc_date(conn: psycopg.Conn
         pytest.param({"platforms": []}, "platforms", id="platforms-empty"),
     ],
 )
-def test_issue_2_generate_resync_refuses_bad_arguments(
+def test_074_defect_2_generate_resync_refuses_bad_arguments(
     conn: psycopg.Connection, queue: TaskQueue, kwargs: dict[str, Any], named: str
 ):
     """Out-of-range batches, a NULL date or no platforms: QueueInputError naming the parameter,
@@ -757,7 +761,7 @@ def test_issue_2_generate_resync_refuses_bad_arguments(
     assert queue.claim(ROLE, "w") is not None
 
 
-def test_issue_2_generate_resync_follows_platforms_and_skips_uncrawlable_stores(
+def test_074_defect_2_generate_resync_follows_platforms_and_skips_uncrawlable_stores(
     conn: psycopg.Connection, queue: TaskQueue
 ):
     """Tasks for enabled stores of the given platforms that have a platform id, each carrying
@@ -779,7 +783,7 @@ def test_issue_2_generate_resync_follows_platforms_and_skips_uncrawlable_stores(
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 9: task_completion_log
+# 074 defect 9: task_completion_log
 # ------------------------------------------------------------------------------------------------
 
 LOG_DAY = date(2024, 5, 1)
@@ -849,7 +853,7 @@ def log_rows(queue: TaskQueue) -> dict[str, tuple]:
     }
 
 
-def test_issue_9_refresh_completion_log_counts_one_utc_hour(conn: psycopg.Connection, queue: TaskQueue):
+def test_074_defect_9_refresh_completion_log_counts_one_utc_hour(conn: psycopg.Connection, queue: TaskQueue):
     """Counts created/completed/failed per role for [hour, hour + 1h) UTC only, with durations;
     idle roles get a row of zeros; a second call rewrites the same rows."""
     seed_completion_hour(conn)
@@ -867,7 +871,9 @@ def test_issue_9_refresh_completion_log_counts_one_utc_hour(conn: psycopg.Connec
     assert conn.execute("SELECT count(*) FROM task_completion_log").fetchone() == (2 * roles,)
 
 
-def test_issue_9_refresh_completion_log_ignores_session_timezone(conn: psycopg.Connection, queue: TaskQueue):
+def test_074_defect_9_refresh_completion_log_ignores_session_timezone(
+    conn: psycopg.Connection, queue: TaskQueue
+):
     """The rollup of an hour is the same whatever the session TimeZone (half-hour offsets too)."""
     seed_completion_hour(conn)
     for tz in ("Asia/Kolkata", "America/Los_Angeles", "Pacific/Kiritimati"):
@@ -878,7 +884,7 @@ def test_issue_9_refresh_completion_log_ignores_session_timezone(conn: psycopg.C
 
 
 @pytest.mark.parametrize("tz", FAR_ZONES)
-def test_issue_9_completion_log_defaults_are_utc(conn: psycopg.Connection, tz: str):
+def test_074_defect_9_completion_log_defaults_are_utc(conn: psycopg.Connection, tz: str):
     """A row inserted with the date/hour defaults gets the UTC date and hour, whatever the
     session TimeZone."""
     conn.execute("SELECT set_config('TimeZone', %s, false)", (tz,))
@@ -897,11 +903,11 @@ def test_issue_9_completion_log_defaults_are_utc(conn: psycopg.Connection, tz: s
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 8: the views' numbers
+# 074 defect 8: the views' numbers
 # ------------------------------------------------------------------------------------------------
 
 
-def test_issue_8_worker_capacity_counts_a_known_mix(conn: psycopg.Connection, queue: TaskQueue):
+def test_074_defect_8_worker_capacity_counts_a_known_mix(conn: psycopg.Connection, queue: TaskQueue):
     """v_worker_capacity: pending vs ready, claimed, running, active workers, last-hour
     completions/failures and durations, zeros for idle roles."""
     s = add_stores(conn, 8)
@@ -950,7 +956,7 @@ def test_issue_8_worker_capacity_counts_a_known_mix(conn: psycopg.Connection, qu
     assert (idle.completed_last_hour, idle.failed_last_hour, idle.active_workers) == (0, 0, 0)
 
 
-def test_issue_8_task_history_newest_first_with_store_name(conn: psycopg.Connection):
+def test_074_defect_8_task_history_newest_first_with_store_name(conn: psycopg.Connection):
     """v_task_history lists tasks newest first (ties by id) with their store's name."""
     a, b = add_stores(conn, 2)
     conn.execute("UPDATE dispensaries SET name = 'Green Leaf' WHERE id = %s", (a,))

@@ -32,7 +32,7 @@ def age_lease(conn: psycopg.Connection, task_id: int, minutes: int, *, heartbeat
 
 
 @pytest.mark.parametrize("start", [False, True], ids=["claimed", "claimed-and-started"])
-def test_issue_3_claim_starts_a_lease(conn: psycopg.Connection, queue: TaskQueue, start: bool):
+def test_074_defect_3_claim_starts_a_lease(conn: psycopg.Connection, queue: TaskQueue, start: bool):
     """A claim sets claimed_at and last_heartbeat_at (and started_at when starting) to its now()."""
     (store,) = add_stores(conn, 1)
     task_id = queue.enqueue(ROLE, store)
@@ -57,7 +57,7 @@ def test_issue_3_claim_starts_a_lease(conn: psycopg.Connection, queue: TaskQueue
         pytest.param(False, True, False, id="storeless-running-no-heartbeat-column"),
     ],
 )
-def test_issue_3_task_of_worker_dead_after_claim_is_recovered(
+def test_074_defect_3_task_of_worker_dead_after_claim_is_recovered(
     conn: psycopg.Connection, queue: TaskQueue, store: bool, start: bool, heartbeat: bool
 ):
     """A worker dies right after claiming: before the threshold its task stays put (and its store
@@ -98,7 +98,7 @@ def test_issue_3_task_of_worker_dead_after_claim_is_recovered(
         assert again.dispensary_id == store_id
 
 
-def test_issue_4_reclaimed_task_gets_a_fresh_lease(conn: psycopg.Connection, queue: TaskQueue):
+def test_074_defect_4_reclaimed_task_gets_a_fresh_lease(conn: psycopg.Connection, queue: TaskQueue):
     """A recovered task claimed again is not taken from its new owner by the next recovery."""
     (store,) = add_stores(conn, 1)
     task_id = queue.enqueue(ROLE, store)
@@ -117,7 +117,7 @@ def test_issue_4_reclaimed_task_gets_a_fresh_lease(conn: psycopg.Connection, que
 
 
 @pytest.mark.parametrize("max_retries", [0, 1, 3])
-def test_issue_4_task_fails_when_its_lease_expires_with_no_retries_left(
+def test_074_defect_4_task_fails_when_its_lease_expires_with_no_retries_left(
     conn: psycopg.Connection, queue: TaskQueue, max_retries: int
 ):
     """Each expiry gives the task back with retry_count + 1 while retries remain; the expiry after
