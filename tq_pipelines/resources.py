@@ -1,8 +1,6 @@
-"""Dagster resources: the queue (a psycopg pool per run) and where alerts go."""
+"""The queue as a Dagster resource: a psycopg pool per run or sensor tick, and its settings."""
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import dagster as dg
 import psycopg
@@ -56,12 +54,6 @@ class QueueResource(dg.ConfigurableResource):
         if self._queue is None:
             raise RuntimeError("QueueResource used outside of a run or tick")
         return self._queue
-
-    @contextmanager
-    def open(self) -> Iterator[TaskQueue]:
-        """A queue with its own pool, for code that runs outside a Dagster execution."""
-        with TaskQueue.connect(self.database_url, max_size=self.pool_max_size) as queue:
-            yield queue
 
     def caps(self) -> dict[str, int]:
         """Per-role run caps from ``role_caps``; raises naming the setting on a bad entry."""
