@@ -20,7 +20,10 @@ SELECT complete_task(%(task_id)s, %(worker_id)s, %(result)s) AS ok;
 SELECT complete_tasks(%(worker_id)s, %(task_ids)s, %(results)s::JSONB[]) AS ids;
 
 -- name: fail_task
-SELECT fail_task(%(task_id)s, %(worker_id)s, %(error)s, %(retryable)s) AS status;
+SELECT fail_task(%(task_id)s, %(worker_id)s, %(error)s, %(retryable)s, %(retry_after)s) AS status;
+
+-- name: defer_task
+SELECT defer_task(%(task_id)s, %(worker_id)s, %(delay)s) AS ok;
 
 -- name: cancel_task
 SELECT cancel_task(%(task_id)s) AS ok;
@@ -50,8 +53,28 @@ WHERE date = %(day)s
 ORDER BY role;
 
 -- name: enqueue_task
-INSERT INTO worker_tasks (role, dispensary_id, platform, priority, scheduled_for, max_retries)
-VALUES (%(role)s, %(dispensary_id)s, %(platform)s, %(priority)s, %(scheduled_for)s, %(max_retries)s)
+INSERT INTO worker_tasks (role, dispensary_id, platform, priority, scheduled_for, max_retries, payload)
+VALUES (
+  %(role)s, %(dispensary_id)s, %(platform)s, %(priority)s, %(scheduled_for)s, %(max_retries)s,
+  coalesce(%(payload)s::JSONB, '{}')
+)
+RETURNING id;
+
+-- name: enqueue_task_once
+-- The task, unless one of the same role for the same store (and payload) is pending or active:
+-- for periodic enqueuers and handlers that may run twice. Returns no row when one was there.
+INSERT INTO worker_tasks (role, dispensary_id, platform, priority, scheduled_for, payload)
+SELECT
+  %(role)s::VARCHAR, %(dispensary_id)s::INTEGER, %(platform)s::VARCHAR, %(priority)s::INTEGER,
+  %(scheduled_for)s::TIMESTAMPTZ, coalesce(%(payload)s::JSONB, '{}')
+WHERE NOT EXISTS (
+  SELECT 1
+  FROM worker_tasks t
+  WHERE t.role = %(role)s
+    AND t.dispensary_id IS NOT DISTINCT FROM %(dispensary_id)s::INTEGER
+    AND t.payload = coalesce(%(payload)s::JSONB, '{}')
+    AND t.status IN ('pending', 'claimed', 'running')
+)
 RETURNING id;
 
 -- name: get_task
@@ -137,9 +160,82 @@ LEFT JOIN (
 ) loose ON loose.role = r.role
 ORDER BY r.role;
 
--- name: seed_demo_stores
--- `tq dev` on an empty embedded database: stores for the noop handlers to work on.
-INSERT INTO dispensaries (name, menu_type, platform_dispensary_id, crawl_enabled)
-SELECT 'Demo store ' || g, 'dutchie', 'demo-' || g, true
-FROM generate_series(1, %(count)s) AS g
-WHERE NOT EXISTS (SELECT 1 FROM dispensaries);
+-- name: task_still_owned
+-- Taken by a handler in the transaction that writes its results: the row lock holds off
+-- recovery until the commit, and no row means the lease is gone and nothing must be written.
+SELECT 1 AS owned
+FROM worker_tasks
+WHERE id = %(task_id)s AND worker_id = %(worker_id)s AND status IN ('claimed', 'running')
+FOR SHARE;
+
+-- name: upsert_listed_stores
+SELECT * FROM upsert_listed_stores(%(platform)s, %(stores)s);
+
+-- name: store_entry_point
+SELECT d.id, d.name, d.menu_type, d.platform_dispensary_id, d.crawl_enabled,
+       c.directory_id, c.menu_url, c.gone_at
+FROM dispensaries d
+LEFT JOIN store_crawl_state c ON c.dispensary_id = d.id
+WHERE d.id = %(dispensary_id)s;
+
+-- name: save_entry_point
+WITH state AS (
+  INSERT INTO store_crawl_state (dispensary_id, platform, menu_url, resolved_at)
+  VALUES (%(dispensary_id)s, %(platform)s, %(menu_url)s, now())
+  ON CONFLICT (dispensary_id) DO UPDATE
+  SET menu_url = excluded.menu_url, resolved_at = now(), gone_at = NULL
+)
+UPDATE dispensaries SET platform_dispensary_id = %(platform_id)s, updated_at = now()
+WHERE id = %(dispensary_id)s;
+
+-- name: mark_store_gone
+-- The platform says the store is gone: no more crawls until a listing names it again.
+WITH state AS (
+  INSERT INTO store_crawl_state (dispensary_id, platform, gone_at)
+  VALUES (%(dispensary_id)s, %(platform)s, now())
+  ON CONFLICT (dispensary_id) DO UPDATE SET gone_at = now()
+)
+UPDATE dispensaries SET crawl_enabled = false, updated_at = now()
+WHERE id = %(dispensary_id)s;
+
+-- name: store_menu
+SELECT * FROM store_menu(%(dispensary_id)s, %(menu_hash)s, %(products)s);
+
+-- name: refresh_store_analytics
+SELECT * FROM refresh_store_analytics();
+
+-- name: analytics_summary
+SELECT
+  count(*) AS stores,
+  count(*) FILTER (WHERE last_success_at < now() - INTERVAL '26 hours' OR last_success_at IS NULL)
+    AS stale_stores,
+  coalesce(sum(products_listed), 0) AS products_listed,
+  coalesce(sum(price_changes_24h), 0) AS price_changes_24h
+FROM store_analytics;
+
+-- name: platform_errors
+-- Per platform over the window: tasks that ended in an error (failed, or given back for a retry)
+-- against tasks completed. Feeds the platform-failing alert. Both branches stay on partial
+-- indexes (finished tasks by completed_at, pending tasks).
+WITH recent AS (
+  SELECT t.platform, t.status, t.error_message, t.updated_at
+  FROM worker_tasks t
+  WHERE t.status IN ('completed', 'failed')
+    AND t.completed_at > now() - make_interval(mins => %(minutes)s)
+  UNION ALL
+  SELECT t.platform, t.status, t.error_message, t.updated_at
+  FROM worker_tasks t
+  WHERE t.status = 'pending'
+    AND t.retry_count > 0
+    AND t.updated_at > now() - make_interval(mins => %(minutes)s)
+)
+SELECT
+  r.platform,
+  count(*) FILTER (WHERE r.status = 'completed') AS completed,
+  count(*) FILTER (WHERE r.status <> 'completed') AS errors,
+  (array_agg(r.error_message ORDER BY r.updated_at DESC) FILTER (WHERE r.status <> 'completed'))[1]
+    AS last_error
+FROM recent r
+WHERE r.platform IS NOT NULL
+GROUP BY r.platform
+ORDER BY r.platform;

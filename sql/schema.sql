@@ -51,6 +51,8 @@ CREATE TABLE public.worker_tasks (
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     resync_date date,
     due_at timestamp with time zone GENERATED ALWAYS AS (COALESCE(scheduled_for, created_at)) STORED,
+    payload jsonb DEFAULT '{}'::jsonb NOT NULL,
+    CONSTRAINT payload_is_object CHECK ((jsonb_typeof(payload) = 'object'::text)),
     CONSTRAINT valid_retries CHECK (((retry_count >= 0) AND (max_retries >= 0))),
     CONSTRAINT valid_status CHECK (((status)::text = ANY ((ARRAY['pending'::character varying, 'claimed'::character varying, 'running'::character varying, 'completed'::character varying, 'failed'::character varying, 'cancelled'::character varying])::text[])))
 );
@@ -305,6 +307,29 @@ $$;
 
 
 --
+-- Name: defer_task(integer, character varying, interval); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.defer_task(p_task_id integer, p_worker_id character varying, p_delay interval) RETURNS boolean
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  UPDATE worker_tasks t
+  SET status = 'pending',
+      scheduled_for = now() + least(greatest(coalesce(p_delay, INTERVAL '0'), INTERVAL '0'), INTERVAL '1 day'),
+      worker_id = NULL,
+      claimed_at = NULL,
+      started_at = NULL,
+      last_heartbeat_at = NULL
+  WHERE t.id = p_task_id
+    AND t.worker_id = p_worker_id
+    AND t.status IN ('claimed', 'running');
+  RETURN FOUND;
+END;
+$$;
+
+
+--
 -- Name: deregister_worker(character varying); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -322,10 +347,10 @@ $$;
 
 
 --
--- Name: fail_task(integer, character varying, text, boolean); Type: FUNCTION; Schema: public; Owner: -
+-- Name: fail_task(integer, character varying, text, boolean, interval); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.fail_task(p_task_id integer, p_worker_id character varying, p_error text, p_retryable boolean DEFAULT true) RETURNS text
+CREATE FUNCTION public.fail_task(p_task_id integer, p_worker_id character varying, p_error text, p_retryable boolean DEFAULT true, p_retry_after interval DEFAULT NULL::interval) RETURNS text
     LANGUAGE plpgsql
     AS $$
 DECLARE
@@ -347,7 +372,9 @@ BEGIN
     UPDATE worker_tasks t
     SET status = 'pending',
         retry_count = t.retry_count + 1,
-        scheduled_for = now() + tq_retry_delay(t.role, t.retry_count),
+        scheduled_for = now() + greatest(
+          tq_retry_delay(t.role, t.retry_count),
+          least(greatest(p_retry_after, INTERVAL '0'), INTERVAL '1 day')),
         worker_id = NULL,
         claimed_at = NULL,
         started_at = NULL,
@@ -537,6 +564,84 @@ $$;
 
 
 --
+-- Name: refresh_store_analytics(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.refresh_store_analytics() RETURNS TABLE(stores integer, removed integer)
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  -- Two refreshes at once would only do the same work twice; the second waits for the first.
+  PERFORM pg_advisory_xact_lock(hashtext('tq:store_analytics'));
+
+  WITH listed AS (
+    SELECT
+      p.dispensary_id,
+      count(*) AS products_listed,
+      count(*) FILTER (WHERE p.in_stock) AS products_in_stock
+    FROM products p
+    WHERE p.gone_at IS NULL
+    GROUP BY p.dispensary_id
+  ),
+  price_changes AS (
+    SELECT
+      h.dispensary_id,
+      count(*) FILTER (WHERE h.observed_at > now() - INTERVAL '24 hours') AS day,
+      count(*) AS week
+    FROM product_history h
+    WHERE h.change = 'changed'
+      AND h.price IS DISTINCT FROM h.old_price
+      AND h.observed_at > now() - INTERVAL '7 days'
+    GROUP BY h.dispensary_id
+  ),
+  success AS (
+    SELECT t.dispensary_id, max(t.completed_at) AS at
+    FROM worker_tasks t
+    WHERE t.status = 'completed'
+      AND t.role IN ('product_discovery', 'product_resync')
+      AND t.dispensary_id IN (SELECT c.dispensary_id FROM store_crawl_state c)
+    GROUP BY t.dispensary_id
+  )
+  INSERT INTO store_analytics AS a (
+    dispensary_id, platform, products_listed, products_in_stock, price_changes_24h, price_changes_7d,
+    last_crawl_at, last_success_at, last_change_at, refreshed_at)
+  SELECT
+    c.dispensary_id,
+    c.platform,
+    coalesce(l.products_listed, 0),
+    coalesce(l.products_in_stock, 0),
+    coalesce(pc.day, 0),
+    coalesce(pc.week, 0),
+    c.last_crawl_at,
+    s.at,
+    c.last_change_at,
+    now()
+  FROM store_crawl_state c
+  LEFT JOIN listed l ON l.dispensary_id = c.dispensary_id
+  LEFT JOIN price_changes pc ON pc.dispensary_id = c.dispensary_id
+  LEFT JOIN success s ON s.dispensary_id = c.dispensary_id
+  ORDER BY c.dispensary_id
+  ON CONFLICT (dispensary_id) DO UPDATE
+  SET platform = excluded.platform,
+      products_listed = excluded.products_listed,
+      products_in_stock = excluded.products_in_stock,
+      price_changes_24h = excluded.price_changes_24h,
+      price_changes_7d = excluded.price_changes_7d,
+      last_crawl_at = excluded.last_crawl_at,
+      last_success_at = excluded.last_success_at,
+      last_change_at = excluded.last_change_at,
+      refreshed_at = excluded.refreshed_at;
+  GET DIAGNOSTICS stores = ROW_COUNT;
+
+  DELETE FROM store_analytics a
+  WHERE NOT EXISTS (SELECT 1 FROM store_crawl_state c WHERE c.dispensary_id = a.dispensary_id);
+  GET DIAGNOSTICS removed = ROW_COUNT;
+  RETURN NEXT;
+END;
+$$;
+
+
+--
 -- Name: refresh_task_completion_log(date, integer); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -661,6 +766,117 @@ BEGIN
   )
   SELECT coalesce(array_agg(id ORDER BY id), '{}') INTO v_started FROM started;
   RETURN v_started;
+END;
+$$;
+
+
+--
+-- Name: store_menu(integer, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.store_menu(p_dispensary_id integer, p_menu_hash text, p_products jsonb) RETURNS TABLE(unchanged boolean, seen integer, new integer, changed integer, gone integer)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_hash TEXT;
+BEGIN
+  INSERT INTO store_crawl_state (dispensary_id, platform)
+  SELECT d.id, d.menu_type FROM dispensaries d WHERE d.id = p_dispensary_id
+  ON CONFLICT ON CONSTRAINT store_crawl_state_pkey DO NOTHING;
+  -- Serialises writers of one store (the queue already runs one task per store at a time).
+  SELECT c.menu_hash INTO v_hash
+  FROM store_crawl_state c
+  WHERE c.dispensary_id = p_dispensary_id
+  FOR UPDATE;
+  IF NOT FOUND THEN
+    RAISE EXCEPTION 'no store with id %', p_dispensary_id USING ERRCODE = '22023';
+  END IF;
+
+  seen := jsonb_array_length(p_products);
+  IF v_hash IS NOT DISTINCT FROM p_menu_hash THEN
+    UPDATE store_crawl_state c SET last_crawl_at = now() WHERE c.dispensary_id = p_dispensary_id;
+    unchanged := true; new := 0; changed := 0; gone := 0;
+    RETURN NEXT;
+    RETURN;
+  END IF;
+
+  WITH incoming AS (
+    SELECT *
+    FROM jsonb_to_recordset(p_products) AS x (
+      id TEXT, name TEXT, brand TEXT, category TEXT, price NUMERIC, thc NUMERIC, cbd NUMERIC, in_stock BOOLEAN)
+  ),
+  old AS (
+    SELECT p.* FROM products p WHERE p.dispensary_id = p_dispensary_id
+  ),
+  diff AS (
+    SELECT
+      i.*,
+      o.price AS old_price,
+      o.in_stock AS old_in_stock,
+      CASE
+        WHEN o.id IS NULL THEN 'new'
+        WHEN o.gone_at IS NOT NULL THEN 'back'
+        WHEN (o.price, o.in_stock) IS DISTINCT FROM (i.price, i.in_stock) THEN 'changed'
+      END AS change
+    FROM incoming i
+    LEFT JOIN old o ON o.external_id = i.id
+  ),
+  upserted AS (
+    INSERT INTO products AS p (
+      dispensary_id, external_id, name, brand, category, price, thc_percent, cbd_percent, in_stock)
+    SELECT p_dispensary_id, d.id, d.name, d.brand, d.category, d.price, d.thc, d.cbd, d.in_stock
+    FROM diff d
+    ORDER BY d.id
+    ON CONFLICT (dispensary_id, external_id) DO UPDATE
+    SET name = excluded.name,
+        brand = excluded.brand,
+        category = excluded.category,
+        price = excluded.price,
+        thc_percent = excluded.thc_percent,
+        cbd_percent = excluded.cbd_percent,
+        in_stock = excluded.in_stock,
+        last_seen_at = now(),
+        changed_at = CASE
+          WHEN p.gone_at IS NOT NULL OR (p.price, p.in_stock) IS DISTINCT FROM (excluded.price, excluded.in_stock)
+          THEN now() ELSE p.changed_at END,
+        gone_at = NULL
+    RETURNING p.id, p.external_id
+  ),
+  history AS (
+    INSERT INTO product_history (product_id, dispensary_id, change, price, old_price, in_stock, old_in_stock)
+    SELECT u.id, p_dispensary_id, d.change, d.price, d.old_price, d.in_stock, d.old_in_stock
+    FROM upserted u
+    JOIN diff d ON d.id = u.external_id
+    WHERE d.change IS NOT NULL
+  ),
+  vanished AS (
+    UPDATE products p
+    SET gone_at = now(), changed_at = now()
+    FROM old o
+    WHERE p.id = o.id
+      AND o.gone_at IS NULL
+      AND NOT EXISTS (SELECT 1 FROM incoming i WHERE i.id = o.external_id)
+    RETURNING p.id, p.price, p.in_stock
+  ),
+  vanished_history AS (
+    INSERT INTO product_history (product_id, dispensary_id, change, old_price, old_in_stock)
+    SELECT v.id, p_dispensary_id, 'gone', v.price, v.in_stock
+    FROM vanished v
+  )
+  SELECT
+    count(*) FILTER (WHERE d.change = 'new'),
+    count(*) FILTER (WHERE d.change IN ('changed', 'back')),
+    (SELECT count(*) FROM vanished)
+  INTO new, changed, gone
+  FROM diff d;
+
+  UPDATE store_crawl_state c
+  SET menu_hash = p_menu_hash,
+      last_crawl_at = now(),
+      last_change_at = CASE WHEN new + changed + gone > 0 OR c.menu_hash IS NULL THEN now() ELSE c.last_change_at END
+  WHERE c.dispensary_id = p_dispensary_id;
+  unchanged := false;
+  RETURN NEXT;
 END;
 $$;
 
@@ -1001,6 +1217,57 @@ $$;
 
 
 --
+-- Name: upsert_listed_stores(character varying, jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.upsert_listed_stores(p_platform character varying, p_stores jsonb) RETURNS TABLE(dispensary_id integer, directory_id text, created boolean)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  s RECORD;
+  v_id INTEGER;
+  v_gone TIMESTAMPTZ;
+BEGIN
+  IF p_platform IS NULL OR p_platform = '' THEN
+    RAISE EXCEPTION 'platform must not be empty' USING ERRCODE = '22023';
+  END IF;
+  -- Two listings of one platform at once would both see a store as new.
+  PERFORM pg_advisory_xact_lock(hashtext('tq:listing:' || p_platform));
+  FOR s IN
+    SELECT DISTINCT ON (x.id) x.id, x.name, x.region
+    FROM jsonb_to_recordset(p_stores) AS x (id TEXT, name TEXT, region TEXT)
+    ORDER BY x.id
+  LOOP
+    SELECT c.dispensary_id, c.gone_at INTO v_id, v_gone
+    FROM store_crawl_state c
+    WHERE c.platform = p_platform AND c.directory_id = s.id
+    FOR UPDATE;
+    IF FOUND THEN
+      UPDATE store_crawl_state c
+      SET last_listed_at = now(), region = coalesce(s.region, c.region), gone_at = NULL
+      WHERE c.dispensary_id = v_id;
+      -- Gone, now back: crawl it again (a store disabled by hand has no gone_at and stays so).
+      IF v_gone IS NOT NULL THEN
+        UPDATE dispensaries d SET crawl_enabled = true WHERE d.id = v_id;
+      END IF;
+      dispensary_id := v_id; directory_id := s.id; created := false;
+    ELSE
+      INSERT INTO dispensaries (name, menu_type, crawl_enabled)
+      VALUES (coalesce(nullif(s.name, ''), s.id), p_platform, true)
+      RETURNING id INTO v_id;
+      INSERT INTO store_crawl_state (dispensary_id, platform, directory_id, region, first_listed_at, last_listed_at)
+      VALUES (v_id, p_platform, s.id, s.region, now(), now());
+      INSERT INTO worker_tasks (role, dispensary_id, platform)
+      VALUES ('entry_point_discovery', v_id, p_platform);
+      dispensary_id := v_id; directory_id := s.id; created := true;
+    END IF;
+    RETURN NEXT;
+  END LOOP;
+END;
+$$;
+
+
+--
 -- Name: dispensaries; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -1033,6 +1300,123 @@ CREATE SEQUENCE public.dispensaries_id_seq
 --
 
 ALTER SEQUENCE public.dispensaries_id_seq OWNED BY public.dispensaries.id;
+
+
+--
+-- Name: product_history; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.product_history (
+    id bigint NOT NULL,
+    product_id bigint NOT NULL,
+    dispensary_id integer NOT NULL,
+    observed_at timestamp with time zone DEFAULT now() NOT NULL,
+    change character varying(10) NOT NULL,
+    price numeric(10,2),
+    old_price numeric(10,2),
+    in_stock boolean,
+    old_in_stock boolean,
+    CONSTRAINT product_history_change_check CHECK (((change)::text = ANY ((ARRAY['new'::character varying, 'changed'::character varying, 'gone'::character varying, 'back'::character varying])::text[])))
+);
+
+
+--
+-- Name: product_history_id_seq; Type: SEQUENCE; Schema: public; Owner: -
+--
+
+CREATE SEQUENCE public.product_history_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
+
+
+--
+-- Name: product_history_id_seq; Type: SEQUENCE OWNED BY; Schema: public; Owner: -
+--
+
+ALTER SEQUENCE public.product_history_id_seq OWNED BY public.product_history.id;
+
+
+--
+-- Name: products; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.products (
+    id bigint NOT NULL,
+    dispensary_id integer NOT NULL,
+    external_id text NOT NULL,
+    name text NOT NULL,
+    brand text,
+    category text NOT NULL,
+    price numeric(10,2) NOT NULL,
+    thc_percent numeric(5,2),
+    cbd_percent numeric(5,2),
+    in_stock boolean NOT NULL,
+    first_seen_at timestamp with time zone DEFAULT now() NOT NULL,
+    last_seen_at timestamp with time zone DEFAULT now() NOT NULL,
+    changed_at timestamp with time zone DEFAULT now() NOT NULL,
+    gone_at timestamp with time zone,
+    CONSTRAINT products_price_check CHECK ((price >= (0)::numeric))
+);
+
+
+--
+-- Name: products_id_seq; Type: SEQUENCE; Schema: public; Owner: -
+--
+
+CREATE SEQUENCE public.products_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
+
+
+--
+-- Name: products_id_seq; Type: SEQUENCE OWNED BY; Schema: public; Owner: -
+--
+
+ALTER SEQUENCE public.products_id_seq OWNED BY public.products.id;
+
+
+--
+-- Name: store_analytics; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.store_analytics (
+    dispensary_id integer NOT NULL,
+    platform character varying(50),
+    products_listed integer NOT NULL,
+    products_in_stock integer NOT NULL,
+    price_changes_24h integer NOT NULL,
+    price_changes_7d integer NOT NULL,
+    last_crawl_at timestamp with time zone,
+    last_success_at timestamp with time zone,
+    last_change_at timestamp with time zone,
+    refreshed_at timestamp with time zone NOT NULL
+);
+
+
+--
+-- Name: store_crawl_state; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.store_crawl_state (
+    dispensary_id integer NOT NULL,
+    platform character varying(50),
+    directory_id text,
+    region text,
+    menu_url text,
+    menu_hash text,
+    first_listed_at timestamp with time zone,
+    last_listed_at timestamp with time zone,
+    resolved_at timestamp with time zone,
+    last_crawl_at timestamp with time zone,
+    last_change_at timestamp with time zone,
+    gone_at timestamp with time zone
+);
 
 
 --
@@ -1080,6 +1464,25 @@ CREATE SEQUENCE public.task_completion_log_id_seq
 --
 
 ALTER SEQUENCE public.task_completion_log_id_seq OWNED BY public.task_completion_log.id;
+
+
+--
+-- Name: v_store_freshness; Type: VIEW; Schema: public; Owner: -
+--
+
+CREATE VIEW public.v_store_freshness AS
+ SELECT a.dispensary_id,
+    a.platform,
+    a.products_listed,
+    a.products_in_stock,
+    a.price_changes_24h,
+    a.price_changes_7d,
+    a.last_crawl_at,
+    a.last_success_at,
+    a.last_change_at,
+    a.refreshed_at,
+    (EXTRACT(epoch FROM (now() - a.last_success_at)) / (3600)::numeric) AS hours_since_success
+   FROM public.store_analytics a;
 
 
 --
@@ -1327,6 +1730,20 @@ ALTER TABLE ONLY public.dispensaries ALTER COLUMN id SET DEFAULT nextval('public
 
 
 --
+-- Name: product_history id; Type: DEFAULT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.product_history ALTER COLUMN id SET DEFAULT nextval('public.product_history_id_seq'::regclass);
+
+
+--
+-- Name: products id; Type: DEFAULT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.products ALTER COLUMN id SET DEFAULT nextval('public.products_id_seq'::regclass);
+
+
+--
 -- Name: task_completion_log id; Type: DEFAULT; Schema: public; Owner: -
 --
 
@@ -1365,6 +1782,54 @@ INSERT INTO public.worker_task_roles (role, description, retry_base_seconds, ret
 
 ALTER TABLE ONLY public.dispensaries
     ADD CONSTRAINT dispensaries_pkey PRIMARY KEY (id);
+
+
+--
+-- Name: product_history product_history_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.product_history
+    ADD CONSTRAINT product_history_pkey PRIMARY KEY (id);
+
+
+--
+-- Name: products products_dispensary_id_external_id_key; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.products
+    ADD CONSTRAINT products_dispensary_id_external_id_key UNIQUE (dispensary_id, external_id);
+
+
+--
+-- Name: products products_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.products
+    ADD CONSTRAINT products_pkey PRIMARY KEY (id);
+
+
+--
+-- Name: store_analytics store_analytics_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.store_analytics
+    ADD CONSTRAINT store_analytics_pkey PRIMARY KEY (dispensary_id);
+
+
+--
+-- Name: store_crawl_state store_crawl_state_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.store_crawl_state
+    ADD CONSTRAINT store_crawl_state_pkey PRIMARY KEY (dispensary_id);
+
+
+--
+-- Name: store_crawl_state store_crawl_state_platform_directory_id_key; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.store_crawl_state
+    ADD CONSTRAINT store_crawl_state_platform_directory_id_key UNIQUE (platform, directory_id);
 
 
 --
@@ -1429,6 +1894,20 @@ ALTER TABLE ONLY public.worker_task_stores
 
 ALTER TABLE ONLY public.worker_tasks
     ADD CONSTRAINT worker_tasks_pkey PRIMARY KEY (id);
+
+
+--
+-- Name: idx_product_history_product; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX idx_product_history_product ON public.product_history USING btree (product_id, observed_at);
+
+
+--
+-- Name: idx_product_history_store; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX idx_product_history_store ON public.product_history USING btree (dispensary_id, observed_at);
 
 
 --
@@ -1555,6 +2034,38 @@ CREATE TRIGGER worker_tasks_updated AFTER UPDATE ON public.worker_tasks REFERENC
 --
 
 CREATE TRIGGER worker_tasks_updated_at BEFORE UPDATE ON public.worker_tasks FOR EACH ROW EXECUTE FUNCTION public.update_worker_tasks_timestamp();
+
+
+--
+-- Name: product_history product_history_product_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.product_history
+    ADD CONSTRAINT product_history_product_id_fkey FOREIGN KEY (product_id) REFERENCES public.products(id) ON DELETE CASCADE;
+
+
+--
+-- Name: products products_dispensary_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.products
+    ADD CONSTRAINT products_dispensary_id_fkey FOREIGN KEY (dispensary_id) REFERENCES public.dispensaries(id) ON DELETE CASCADE;
+
+
+--
+-- Name: store_analytics store_analytics_dispensary_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.store_analytics
+    ADD CONSTRAINT store_analytics_dispensary_id_fkey FOREIGN KEY (dispensary_id) REFERENCES public.dispensaries(id) ON DELETE CASCADE;
+
+
+--
+-- Name: store_crawl_state store_crawl_state_dispensary_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.store_crawl_state
+    ADD CONSTRAINT store_crawl_state_dispensary_id_fkey FOREIGN KEY (dispensary_id) REFERENCES public.dispensaries(id) ON DELETE CASCADE;
 
 
 --

@@ -7,11 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from datetime import UTC, date, datetime
 from pathlib import Path
 
 from tq_pipelines.db import dagster_database_url, database_url, embedded, sqlalchemy_url
 from tq_pipelines.db.migrate import MigrationError, migrate
+from tq_pipelines.demo import seed_demo, start_demo
 from tq_pipelines.queue import QueueInputError, TaskQueue
 
 
@@ -79,16 +81,19 @@ def _cmd_dev(args: argparse.Namespace) -> int:
     url = database_url()
     applied = migrate(url)
     print(f"tq dev: queue database {'embedded, ' if own_server else ''}migrated ({len(applied)} new)")
-    if own_server and args.demo_stores:
-        with TaskQueue.connect(url) as queue:
-            if added := queue.seed_demo_stores(args.demo_stores):
-                print(f"tq dev: empty database: added {added} demo stores (--demo-stores 0 to skip)")
     env = {
         **os.environ,
         "TQ_DATABASE_URL": url,
         "TQ_DAGSTER_PG_URL": sqlalchemy_url(dagster_database_url(url)),
         "DAGSTER_HOME": str(home),
     }
+    fleet = None
+    if (own_server or args.demo) and not args.no_demo:
+        fleet = start_demo(embedded.default_pgdata().parent / "demo", stores_per_platform=args.demo_stores)
+        created = seed_demo(url, fleet)
+        env |= {"TQ_PLATFORMS_FILE": str(fleet.platforms_file), "TQ_DEMO": "1"}
+        served = ", ".join(f"{n} on {p.base_url}" for n, p in fleet.simulator.platforms.items())
+        print(f"tq dev: demo fleet: {served}; {created} store_discovery tasks queued (--no-demo to skip)")
     dagster = Path(sys.executable).with_name("dagster")
     cmd = [str(dagster), "dev", "-w", str(home / "workspace.yaml"), "-h", args.host, "-p", str(args.port)]
     print(f"tq dev: Dagster UI on http://{args.host}:{args.port} (Ctrl-C stops everything)", flush=True)
@@ -107,9 +112,34 @@ def _cmd_dev(args: argparse.Namespace) -> int:
     finally:
         if child.poll() is None:
             child.kill()
+        if fleet is not None:
+            fleet.stop()
         if own_server:
             embedded.stop()
             print("tq dev: embedded PostgreSQL stopped; data kept in", embedded.default_pgdata())
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """The simulator in the foreground, its platforms file, and the first discovery tasks."""
+    folder = Path(args.folder).resolve() if args.folder else embedded.default_pgdata().parent / "demo"
+    fleet = start_demo(folder, stores_per_platform=args.stores)
+    for name, platform in fleet.simulator.platforms.items():
+        print(f"tq demo: {name} on {platform.base_url} ({platform.profile.stores} stores)")
+    if args.seed:
+        created = seed_demo(database_url(), fleet)
+        print(f"tq demo: {created} store_discovery tasks queued")
+    print(
+        f"tq demo: export TQ_PLATFORMS_FILE={fleet.platforms_file}  (Ctrl-C stops the simulator)", flush=True
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        fleet.stop()
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,10 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--home", default=".", help="folder with dagster.yaml and workspace.yaml")
     dev.add_argument("--host", default="127.0.0.1")
     dev.add_argument("--port", type=int, default=3000)
-    dev.add_argument(
-        "--demo-stores", type=int, default=200, help="stores to add to an empty embedded database (0: none)"
-    )
+    dev.add_argument("--no-demo", action="store_true", help="no menu simulator and no demo tasks")
+    dev.add_argument("--demo", action="store_true", help="the demo fleet also with TQ_DATABASE_URL set")
+    dev.add_argument("--demo-stores", type=int, default=100, help="demo stores per platform")
     dev.set_defaults(func=_cmd_dev)
+
+    demo = sub.add_parser("demo", help="serve the menu simulator (three platforms) until Ctrl-C")
+    demo.add_argument("--stores", type=int, default=100, help="stores per platform")
+    demo.add_argument("--folder", help="where to write platforms.toml (default .tq/demo)")
+    demo.add_argument("--seed", action="store_true", help="also queue store_discovery tasks in the database")
+    demo.set_defaults(func=_cmd_demo)
     return parser
 
 

@@ -1,15 +1,26 @@
 """The one Dagster Definitions of tq_pipelines."""
 
+import os
+
 import dagster as dg
 
 from tq_pipelines.alerts import AlertResource
 from tq_pipelines.assets import task_completion_log, task_completion_log_job
 from tq_pipelines.handlers import load_handlers
-from tq_pipelines.jobs import drain_tasks_job, generate_resync_tasks_job, recover_stale_tasks_job
-from tq_pipelines.resources import QueueResource
+from tq_pipelines.jobs import (
+    drain_tasks_job,
+    enqueue_analytics_refresh_job,
+    enqueue_store_discovery_job,
+    generate_resync_tasks_job,
+    recover_stale_tasks_job,
+)
+from tq_pipelines.resources import CrawlResource, QueueResource
 from tq_pipelines.schedules import (
+    analytics_refresh_schedule,
+    demo_resync_schedule,
     generate_resync_tasks_schedule,
     recover_stale_tasks_schedule,
+    store_discovery_schedule,
     task_completion_log_schedule,
 )
 from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
@@ -18,13 +29,31 @@ from tq_pipelines.sensors.queue import resync_catchup_sensor, task_queue_sensor
 # A role without a handler is an error here, at load, not a failed task at 3 a.m.
 load_handlers()
 
+# Set by `tq dev` and `tq demo` when they serve the menu simulator.
+DEMO = os.environ.get("TQ_DEMO") == "1"
+
 defs = dg.Definitions(
     assets=[task_completion_log],
-    jobs=[generate_resync_tasks_job, recover_stale_tasks_job, drain_tasks_job, task_completion_log_job],
-    schedules=[generate_resync_tasks_schedule, recover_stale_tasks_schedule, task_completion_log_schedule],
+    jobs=[
+        generate_resync_tasks_job,
+        recover_stale_tasks_job,
+        drain_tasks_job,
+        task_completion_log_job,
+        enqueue_store_discovery_job,
+        enqueue_analytics_refresh_job,
+    ],
+    schedules=[
+        generate_resync_tasks_schedule,
+        recover_stale_tasks_schedule,
+        task_completion_log_schedule,
+        store_discovery_schedule,
+        analytics_refresh_schedule,
+        *([demo_resync_schedule] if DEMO else []),
+    ],
     sensors=[task_queue_sensor, resync_catchup_sensor, queue_health_sensor, run_failure_alert_sensor],
     resources={
         "tq": QueueResource(database_url=dg.EnvVar("TQ_DATABASE_URL")),
+        "crawl": CrawlResource(),
         "alerts": AlertResource(),
         "health": HealthThresholds(),
     },

@@ -1,12 +1,15 @@
 """Jobs that run the queue: daily resync generation, stale recovery, and draining a role."""
 
+from contextlib import ExitStack
+
 import dagster as dg
 from pydantic import Field
 
-from tq_pipelines.handlers import load_handlers
+from tq_pipelines.crawl.handlers import HTTP_ROLES, enqueue_store_discovery
+from tq_pipelines.handlers import BUILTIN, load_handlers
 from tq_pipelines.partitions import resync_partitions_def
 from tq_pipelines.queue import ROLES
-from tq_pipelines.resources import QueueResource
+from tq_pipelines.resources import CrawlResource, QueueResource, QueueSettingsError
 from tq_pipelines.worker import Worker
 
 # Every op below talks to the queue database; pools cap how many do so at once. Drains have a
@@ -20,17 +23,23 @@ DRAIN_POOL = "tq_drain"
 class ResyncConfig(dg.Config):
     batches_per_day: int = Field(default=6, ge=1, le=24, description="Batches spread evenly over the UTC day")
     platforms: list[str] = Field(
-        default=["dutchie"], min_length=1, description="Platforms (menu_type) to resync"
+        default=[],
+        description="Platforms (menu_type) to resync; empty: every platform in TQ_PLATFORMS_FILE, "
+        "or dutchie without one",
     )
 
 
 @dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
-def generate_resync_tasks(context: dg.OpExecutionContext, config: ResyncConfig, tq: QueueResource):
+def generate_resync_tasks(
+    context: dg.OpExecutionContext, config: ResyncConfig, tq: QueueResource, crawl: CrawlResource
+):
     """Create the product_resync tasks of the partition's UTC day. Idempotent."""
     day = context.partition_time_window.start.date()
-    created = tq.queue.generate_resync(
-        day=day, batches_per_day=config.batches_per_day, platforms=config.platforms
-    )
+    try:
+        platforms = config.platforms or sorted(crawl.settings()) or ["dutchie"]
+    except QueueSettingsError as exc:
+        raise dg.Failure(str(exc)) from exc
+    created = tq.queue.generate_resync(day=day, batches_per_day=config.batches_per_day, platforms=platforms)
     context.log.info("created %s product_resync tasks for %s", created, day)
     return dg.Output(
         None,
@@ -38,7 +47,7 @@ def generate_resync_tasks(context: dg.OpExecutionContext, config: ResyncConfig, 
             "date": day.isoformat(),
             "created": dg.MetadataValue.int(created),
             "batches_per_day": config.batches_per_day,
-            "platforms": ", ".join(config.platforms),
+            "platforms": ", ".join(platforms),
         },
     )
 
@@ -82,13 +91,26 @@ def recover_stale_tasks_job() -> None:
 class DrainConfig(dg.Config):
     role: str = Field(description="The role whose tasks this run drains")
     batch_size: int = Field(default=50, ge=1, le=1000, description="Tasks per claim when handlers run inline")
-    concurrency: int = Field(default=1, ge=1, le=256, description="Handlers running at once (1: inline)")
+    concurrency: int = Field(
+        default=0,
+        ge=0,
+        le=256,
+        description="Handlers running at once (1: inline; 0: twice the platforms' max_in_flight for "
+        "HTTP roles, else inline)",
+    )
     time_budget_seconds: float = Field(default=600, gt=0, description="Stop claiming after this long")
     heartbeat_seconds: float = Field(default=30, gt=0, description="Lease heartbeat interval")
 
 
+# Threads for an HTTP role: twice what the hosts accept, so that a saturated host leaves threads
+# for the others (its tasks wait at most slot_wait_seconds, then are deferred).
+MAX_AUTO_CONCURRENCY = 128
+
+
 @dg.op(pool=DRAIN_POOL, out=dg.Out(dg.Nothing))
-def drain_role_tasks(context: dg.OpExecutionContext, config: DrainConfig, tq: QueueResource):
+def drain_role_tasks(
+    context: dg.OpExecutionContext, config: DrainConfig, tq: QueueResource, crawl: CrawlResource
+):
     """Claim and run the role's tasks until the queue is empty or the time budget is spent.
 
     A handler exception fails its task, not the run; only the queue itself failing fails the run,
@@ -97,25 +119,43 @@ def drain_role_tasks(context: dg.OpExecutionContext, config: DrainConfig, tq: Qu
     if config.role not in ROLES:
         raise dg.Failure(f"role {config.role!r} is not a known role ({', '.join(ROLES)})")
     handler = load_handlers()[config.role]
-    worker = Worker(
-        tq.queue,
-        config.role,
-        handler,
-        worker_id=f"{config.role}@run:{context.run_id}"[:100],
-        batch_size=config.batch_size,
-        concurrency=config.concurrency,
-        heartbeat_seconds=config.heartbeat_seconds,
-        time_budget_seconds=config.time_budget_seconds,
-        logger=context.log,  # type: ignore[arg-type]
-    )
-    stats = worker.run()
+    with ExitStack() as stack:
+        try:
+            services = crawl.services() if config.role in HTTP_ROLES else None
+        except QueueSettingsError as exc:
+            raise dg.Failure(str(exc)) from exc  # before any task is claimed
+        if services is not None:
+            stack.callback(services.close)
+        elif config.role in HTTP_ROLES and handler is BUILTIN[config.role]:
+            # Every task would fail for want of settings; fail the run instead, touching none.
+            raise dg.Failure(
+                f"{config.role} crawls platforms, and no platforms are configured: "
+                "set TQ_PLATFORMS_FILE or the crawl resource's platforms_file (docs/PLATFORMS.md)"
+            )
+        concurrency = config.concurrency or (
+            min(2 * services.max_in_flight(), MAX_AUTO_CONCURRENCY) if services else 1
+        )
+        worker = Worker(
+            tq.queue,
+            config.role,
+            handler,
+            worker_id=f"{config.role}@run:{context.run_id}"[:100],
+            batch_size=config.batch_size,
+            concurrency=concurrency,
+            heartbeat_seconds=config.heartbeat_seconds,
+            time_budget_seconds=config.time_budget_seconds,
+            logger=context.log,  # type: ignore[arg-type]
+            services=services,
+        )
+        stats = worker.run()
     done = stats.completed + stats.failed + stats.retried
     context.log.info(
-        "%s: %s completed, %s retried, %s failed, %s lost in %.1f s",
+        "%s: %s completed, %s retried, %s failed, %s deferred, %s lost in %.1f s",
         config.role,
         stats.completed,
         stats.retried,
         stats.failed,
+        stats.deferred,
         stats.lost,
         stats.drain_seconds,
     )
@@ -128,7 +168,9 @@ def drain_role_tasks(context: dg.OpExecutionContext, config: DrainConfig, tq: Qu
             "completed": dg.MetadataValue.int(stats.completed),
             "retried": dg.MetadataValue.int(stats.retried),
             "failed": dg.MetadataValue.int(stats.failed),
+            "deferred": dg.MetadataValue.int(stats.deferred),
             "lost": dg.MetadataValue.int(stats.lost),
+            "concurrency": dg.MetadataValue.int(concurrency),
             "drain_seconds": dg.MetadataValue.float(round(stats.drain_seconds, 3)),
             "tasks_per_second": dg.MetadataValue.float(round(stats.tasks_per_second, 1)),
             "mean_handler_seconds": dg.MetadataValue.float(
@@ -141,3 +183,40 @@ def drain_role_tasks(context: dg.OpExecutionContext, config: DrainConfig, tq: Qu
 @dg.job(executor_def=dg.in_process_executor, tags={"tq/kind": "drain"})
 def drain_tasks_job() -> None:
     drain_role_tasks()
+
+
+# -- periodic work: the tasks no store triggers --------------------------------------------------
+
+
+@dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
+def enqueue_store_discovery_tasks(context: dg.OpExecutionContext, tq: QueueResource, crawl: CrawlResource):
+    """One store_discovery task per configured platform and region (none if one is still queued)."""
+    try:
+        settings = crawl.settings()
+    except QueueSettingsError as exc:
+        raise dg.Failure(str(exc)) from exc
+    if not settings:
+        raise dg.Failure("no platforms configured: set TQ_PLATFORMS_FILE (docs/PLATFORMS.md)")
+    created = enqueue_store_discovery(tq.queue, settings)
+    context.log.info("queued %s store_discovery tasks", created)
+    return dg.Output(
+        None,
+        metadata={"created": dg.MetadataValue.int(created), "platforms": ", ".join(sorted(settings))},
+    )
+
+
+@dg.job(executor_def=dg.in_process_executor, tags={"tq/kind": "discovery"})
+def enqueue_store_discovery_job() -> None:
+    enqueue_store_discovery_tasks()
+
+
+@dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
+def enqueue_analytics_refresh_task(context: dg.OpExecutionContext, tq: QueueResource):
+    """One analytics_refresh task, unless one is already queued or running."""
+    created = tq.queue.enqueue_once("analytics_refresh") is not None
+    return dg.Output(None, metadata={"created": dg.MetadataValue.int(int(created))})
+
+
+@dg.job(executor_def=dg.in_process_executor, tags={"tq/kind": "analytics"})
+def enqueue_analytics_refresh_job() -> None:
+    enqueue_analytics_refresh_task()

@@ -5,7 +5,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import date, datetime
+from datetime import date, datetime, timedelta
 from decimal import Decimal
 from typing import Any, Literal, Self
 
@@ -54,6 +54,7 @@ class Task:
     updated_at: datetime
     resync_date: date | None
     due_at: datetime
+    payload: dict[str, Any]
 
 
 _TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
@@ -192,12 +193,31 @@ class TaskQueue:
         params = {"worker_id": worker_id, "task_ids": list(results), "results": list(results.values())}
         return set(self._one("complete_tasks", params)["ids"])
 
-    def fail(self, task_id: int, worker_id: str, error: str, *, retryable: bool = True) -> Status | None:
-        """Record a failure: returns 'pending' (retried after a backoff) or 'failed', or None
-        when the worker no longer owns the task."""
-        params = {"task_id": task_id, "worker_id": worker_id, "error": error, "retryable": retryable}
+    def fail(
+        self,
+        task_id: int,
+        worker_id: str,
+        error: str,
+        *,
+        retryable: bool = True,
+        retry_after: float | None = None,
+    ) -> Status | None:
+        """Record a failure: returns 'pending' (retried after a backoff, and no sooner than
+        ``retry_after`` seconds) or 'failed', or None when the worker no longer owns the task."""
+        params = {
+            "task_id": task_id,
+            "worker_id": worker_id,
+            "error": error,
+            "retryable": retryable,
+            "retry_after": None if retry_after is None else timedelta(seconds=retry_after),
+        }
         status: Status | None = self._one("fail_task", params)["status"]
         return status
+
+    def defer(self, task_id: int, worker_id: str, delay_seconds: float) -> bool:
+        """Give a task back untried, due again in ``delay_seconds``, without spending a retry."""
+        params = {"task_id": task_id, "worker_id": worker_id, "delay": timedelta(seconds=delay_seconds)}
+        return bool(self._one("defer_task", params)["ok"])
 
     def cancel(self, task_id: int) -> bool:
         """Cancel a task that has not finished; False when it had."""
@@ -248,8 +268,9 @@ class TaskQueue:
         priority: int = 0,
         scheduled_for: datetime | None = None,
         max_retries: int = 3,
+        payload: Mapping[str, JSON] | None = None,
     ) -> int:
-        """Add one task; returns its id."""
+        """Add one task; returns its id. ``payload`` holds the role's parameters (a JSON object)."""
         params = {
             "role": role,
             "dispensary_id": dispensary_id,
@@ -257,8 +278,33 @@ class TaskQueue:
             "priority": priority,
             "scheduled_for": scheduled_for,
             "max_retries": max_retries,
+            "payload": _jsonb(payload),
         }
         return int(self._one("enqueue_task", params)["id"])
+
+    def enqueue_once(
+        self,
+        role: str,
+        dispensary_id: int | None = None,
+        *,
+        platform: str | None = None,
+        priority: int = 0,
+        scheduled_for: datetime | None = None,
+        payload: Mapping[str, JSON] | None = None,
+    ) -> int | None:
+        """:meth:`enqueue` unless a task of the same role, store and payload is pending or active;
+        returns the new id, or None when there was one already."""
+        params = {
+            "role": role,
+            "dispensary_id": dispensary_id,
+            "platform": platform,
+            "priority": priority,
+            "scheduled_for": scheduled_for,
+            "payload": _jsonb(payload),
+        }
+        with self._cursor() as cur:
+            row = cur.execute(query("enqueue_task_once"), params).fetchone()
+        return None if row is None else int(row["id"])
 
     def get(self, task_id: int) -> Task | None:
         with self._cursor(task_row) as cur:
@@ -279,14 +325,15 @@ class TaskQueue:
             rows = cur.execute(query("claimable_now")).fetchall()
         return {r["role"]: (r["ready"], r["claimable"]) for r in rows}
 
-    def seed_demo_stores(self, count: int) -> int:
-        """Add ``count`` demo stores if there are no stores at all; returns how many were added."""
-        with self._cursor() as cur:
-            return cur.execute(query("seed_demo_stores"), {"count": count}).rowcount
-
     def roles(self) -> list[str]:
         with self._cursor() as cur:
             return [r["role"] for r in cur.execute(query("list_roles")).fetchall()]
+
+    def platform_errors(self, minutes: int) -> list[dict[str, Any]]:
+        """Per platform over the last ``minutes``: tasks completed, tasks that ended in an error
+        (failed, or back for a retry), and the latest error."""
+        with self._cursor() as cur:
+            return cur.execute(query("platform_errors"), {"minutes": minutes}).fetchall()
 
     def stuck_tasks(self, threshold_minutes: int) -> int:
         """Active tasks whose owner has been silent past the threshold."""

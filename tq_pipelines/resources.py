@@ -1,11 +1,18 @@
-"""The queue as a Dagster resource: a psycopg pool per run or sensor tick, and its settings."""
+"""Dagster resources: the queue (a psycopg pool per run or sensor tick) and the crawl settings."""
 
 import os
+from pathlib import Path
 
 import dagster as dg
 import psycopg
 from pydantic import PrivateAttr
 
+from tq_pipelines.crawl.platforms import (
+    CrawlServices,
+    PlatformSettings,
+    PlatformSettingsError,
+    load_platform_settings,
+)
 from tq_pipelines.queue import ROLES, TaskQueue
 
 
@@ -27,7 +34,9 @@ class QueueResource(dg.ConfigurableResource):
     # each run drains until the queue is empty or its time budget is spent.
     tasks_per_run: int = 500
     drain_batch_size: int = 50
-    drain_concurrency: int = 1
+    # Handlers running at once in a drain run; 0 sizes it from the platforms' politeness limits
+    # for roles that make HTTP requests, and runs the others inline.
+    drain_concurrency: int = 0
     drain_time_budget_seconds: float = 600
 
     _queue: TaskQueue | None = PrivateAttr(default=None)
@@ -77,3 +86,29 @@ class QueueResource(dg.ConfigurableResource):
             if caps[role] < 0:
                 raise QueueSettingsError(f"role_caps (TQ_ROLE_CAPS): {item!r}: a cap cannot be negative")
         return caps
+
+
+class CrawlResource(dg.ConfigurableResource):
+    """Where the platforms are: a TOML file (docs/PLATFORMS.md). Empty falls back to
+    TQ_PLATFORMS_FILE; with neither, the HTTP roles fail their tasks saying so."""
+
+    platforms_file: str = ""
+
+    def path(self) -> Path | None:
+        spec = self.platforms_file or os.environ.get("TQ_PLATFORMS_FILE", "")
+        return Path(spec) if spec else None
+
+    def settings(self) -> dict[str, PlatformSettings]:
+        """The platforms, validated; {} without a file. Raises naming the file and key at fault."""
+        path = self.path()
+        if path is None:
+            return {}
+        try:
+            return load_platform_settings(path)
+        except PlatformSettingsError as exc:
+            raise QueueSettingsError(f"platforms_file (TQ_PLATFORMS_FILE): {exc}") from exc
+
+    def services(self) -> CrawlServices | None:
+        """A fresh HTTP client and adapters for one run; the caller closes it."""
+        settings = self.settings()
+        return CrawlServices(settings) if settings else None

@@ -1,9 +1,16 @@
 """Schedules. Every one is RUNNING by default: `make dev` shows a live system."""
 
+from datetime import UTC, datetime
+
 import dagster as dg
 
 from tq_pipelines.assets import task_completion_log_job
-from tq_pipelines.jobs import generate_resync_tasks_job, recover_stale_tasks_job
+from tq_pipelines.jobs import (
+    enqueue_analytics_refresh_job,
+    enqueue_store_discovery_job,
+    generate_resync_tasks_job,
+    recover_stale_tasks_job,
+)
 
 # 00:05 UTC: the day's resync, for that same day (the partitions have end_offset=1).
 RESYNC_HOUR_UTC, RESYNC_MINUTE = 0, 5
@@ -30,3 +37,35 @@ task_completion_log_schedule = dg.build_schedule_from_partitioned_job(
     minute_of_hour=5,
     default_status=dg.DefaultScheduleStatus.RUNNING,
 )
+
+# An hour before the resync: stores found today are resolved in time to be resynced tomorrow.
+store_discovery_schedule = dg.ScheduleDefinition(
+    name="store_discovery_schedule",
+    job=enqueue_store_discovery_job,
+    cron_schedule="0 23 * * *",
+    execution_timezone="UTC",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+)
+
+analytics_refresh_schedule = dg.ScheduleDefinition(
+    name="analytics_refresh_schedule",
+    job=enqueue_analytics_refresh_job,
+    cron_schedule="*/15 * * * *",
+    execution_timezone="UTC",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+)
+
+
+@dg.schedule(
+    name="demo_resync_schedule",
+    job=generate_resync_tasks_job,
+    cron_schedule="*/10 * * * *",
+    execution_timezone="UTC",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+)
+def demo_resync_schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest:
+    """Demo only (`tq dev` / `tq demo`): today's resync again every 10 minutes. It is idempotent,
+    so each run adds only the stores resolved since the last: the demo shows resyncs on its first
+    day instead of the next."""
+    day = (context.scheduled_execution_time or datetime.now(UTC)).astimezone(UTC).date().isoformat()
+    return dg.RunRequest(run_key=None, partition_key=day, tags={"tq/demo": "true"})

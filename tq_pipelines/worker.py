@@ -11,10 +11,17 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from tq_pipelines.db.queries import query
 from tq_pipelines.queue import JSON, Task, TaskQueue
 
 log = logging.getLogger(__name__)
@@ -24,19 +31,69 @@ class PermanentTaskError(Exception):
     """Raised by a handler for a failure that a retry cannot fix: the task fails at once."""
 
 
+class TransientTaskError(Exception):
+    """Raised by a handler for a failure worth retrying (timeout, 429, 5xx): the task goes back to
+    the queue with backoff, and no sooner than ``retry_after`` seconds when the server said so."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class DeferTask(Exception):
+    """Raised by a handler that chose not to do the task now (its host is saturated): the task
+    goes back untried, due in ``delay`` seconds, without spending a retry."""
+
+    def __init__(self, delay: float, reason: str) -> None:
+        super().__init__(reason)
+        self.delay = delay
+
+
+class LeaseLostError(Exception):
+    """The worker no longer owns the task; whatever the handler was about to write is dropped."""
+
+
 @dataclass
 class TaskContext:
-    """What a handler gets besides its task."""
+    """What a handler gets besides its task: its lease, the database, and the run's services."""
 
     task: Task
     worker_id: str
     log: logging.Logger
     lease_lost: threading.Event = field(default_factory=threading.Event)
+    pool: ConnectionPool | None = None
+    # Whatever the process that runs the worker shares with its handlers (HTTP client, settings).
+    services: Any = None
+    last_progress: dict[str, Any] = field(default_factory=dict)
 
     @property
     def lost(self) -> bool:
         """True once the worker no longer owns the task: stop, the result will be discarded."""
         return self.lease_lost.is_set()
+
+    def check_lease(self) -> None:
+        """Raise :class:`LeaseLostError` if the lease is known to be lost."""
+        if self.lost:
+            raise LeaseLostError(f"lease on task {self.task.id} lost")
+
+    def progress(self, message: str, **fields: Any) -> None:
+        """Note how far the task got (logged, and kept for the outcome)."""
+        self.last_progress = {"message": message, **fields}
+        self.log.debug("task %s: %s %s", self.task.id, message, fields or "")
+
+    @contextmanager
+    def transaction(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
+        """A transaction for the task's writes, fenced by its lease: it opens by locking the task
+        row, so recovery cannot give the task away before the commit, and raises
+        :class:`LeaseLostError` (writing nothing) when the task is no longer this worker's."""
+        if self.pool is None:
+            raise RuntimeError("this worker has no database pool for its handlers")
+        with self.pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+            params = {"task_id": self.task.id, "worker_id": self.worker_id}
+            if cur.execute(query("task_still_owned"), params).fetchone() is None:
+                self.lease_lost.set()
+                raise LeaseLostError(f"lease on task {self.task.id} lost: nothing written")
+            yield cur
 
 
 Handler = Callable[[Task, TaskContext], JSON]
@@ -51,6 +108,7 @@ class DrainStats:
     retried: int = 0
     failed: int = 0
     lost: int = 0
+    deferred: int = 0
     claims: int = 0
     handler_seconds: float = 0.0
     first_claim_at: float | None = None
@@ -75,6 +133,8 @@ class _Outcome:
     result_json: str | None = None
     error: str | None = None
     retryable: bool = True
+    retry_after: float | None = None
+    defer_seconds: float | None = None
     seconds: float = 0.0
 
 
@@ -113,6 +173,7 @@ class Worker:
         time_budget_seconds: float | None = None,
         idle_poll_seconds: float | None = None,
         logger: logging.Logger | None = None,
+        services: Any = None,
     ) -> None:
         if batch_size < 1 or concurrency < 1 or heartbeat_seconds <= 0:
             raise ValueError("batch_size and concurrency must be >= 1, heartbeat_seconds > 0")
@@ -126,6 +187,7 @@ class Worker:
         self.time_budget_seconds = time_budget_seconds
         self.idle_poll_seconds = idle_poll_seconds
         self.log = logger or log
+        self.services = services
         self.stats = DrainStats()
         self._in_flight: dict[int, TaskContext] = {}
         self._lock = threading.Lock()
@@ -205,7 +267,10 @@ class Worker:
         return tasks
 
     def _contexts(self, tasks: list[Task]) -> list[TaskContext]:
-        contexts = [TaskContext(t, self.worker_id, self.log) for t in tasks]
+        contexts = [
+            TaskContext(t, self.worker_id, self.log, pool=self.queue.pool, services=self.services)
+            for t in tasks
+        ]
         with self._lock:
             self._in_flight.update((c.task.id, c) for c in contexts)
         return contexts
@@ -227,9 +292,17 @@ class Worker:
             except (TypeError, ValueError) as exc:
                 outcome.error = f"handler result cannot be stored as JSON: {exc}"
                 outcome.retryable = False
+        except LeaseLostError:
+            ctx.lease_lost.set()
+        except DeferTask as exc:
+            outcome.defer_seconds = exc.delay
+            outcome.error = str(exc)
         except PermanentTaskError as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"
             outcome.retryable = False
+        except TransientTaskError as exc:
+            outcome.error = f"{type(exc).__name__}: {exc}"
+            outcome.retry_after = exc.retry_after
         except Exception as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"
         outcome.seconds = time.monotonic() - began
@@ -251,8 +324,15 @@ class Worker:
             self.stats.handler_seconds += o.seconds
             if o.ctx.lost:
                 self.stats.lost += 1
+            elif o.defer_seconds is not None:
+                if self.queue.defer(o.ctx.task.id, self.worker_id, o.defer_seconds):
+                    self.stats.deferred += 1
+                else:
+                    self.stats.lost += 1
             elif o.error is not None:
-                status = self.queue.fail(o.ctx.task.id, self.worker_id, o.error, retryable=o.retryable)
+                status = self.queue.fail(
+                    o.ctx.task.id, self.worker_id, o.error, retryable=o.retryable, retry_after=o.retry_after
+                )
                 if status == "pending":
                     self.stats.retried += 1
                 elif status == "failed":

@@ -9,11 +9,20 @@ import pytest
 from tq_pipelines.definitions import defs
 from tq_pipelines.schedules import generate_resync_tasks_schedule
 
-JOBS = {"generate_resync_tasks_job", "recover_stale_tasks_job", "drain_tasks_job", "task_completion_log_job"}
+JOBS = {
+    "generate_resync_tasks_job",
+    "recover_stale_tasks_job",
+    "drain_tasks_job",
+    "task_completion_log_job",
+    "enqueue_store_discovery_job",
+    "enqueue_analytics_refresh_job",
+}
 SCHEDULES = {
     "generate_resync_tasks_schedule": ("5 0 * * *", "generate_resync_tasks_job"),
     "recover_stale_tasks_schedule": ("*/5 * * * *", "recover_stale_tasks_job"),
     "task_completion_log_schedule": ("5 * * * *", "task_completion_log_job"),
+    "store_discovery_schedule": ("0 23 * * *", "enqueue_store_discovery_job"),
+    "analytics_refresh_schedule": ("*/15 * * * *", "enqueue_analytics_refresh_job"),
 }
 SENSORS = {"task_queue_sensor", "resync_catchup_sensor", "queue_health_sensor", "run_failure_alert_sensor"}
 
@@ -36,7 +45,7 @@ def test_jobs_schedules_sensors_and_asset_exist(repo: dg.RepositoryDefinition):
     check_keys = repo.assets_defs_by_key[dg.AssetKey("task_completion_log")].check_keys
     assert dg.AssetCheckKey(dg.AssetKey("task_completion_log"), "failure_rate_below_threshold") in check_keys
     # The resources every job, schedule and sensor asks for are bound.
-    assert {"tq", "alerts", "health"} <= set(repo.get_top_level_resources())
+    assert {"tq", "crawl", "alerts", "health"} <= set(repo.get_top_level_resources())
 
 
 def test_every_schedule_and_sensor_runs_by_default(repo: dg.RepositoryDefinition):

@@ -23,7 +23,7 @@ from tq_pipelines.assets import task_completion_log
 from tq_pipelines.handlers import ENTRY_POINT_GROUP, HandlerRegistryError, load_handlers
 from tq_pipelines.jobs import drain_tasks_job, generate_resync_tasks_job, recover_stale_tasks_job
 from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import QueueResource
+from tq_pipelines.resources import CrawlResource, QueueResource
 
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/x"
 ROLE = "product_resync"
@@ -42,7 +42,10 @@ def run_job(
     """One in-process run with the queue resource on ``database_url``; never raises."""
     return job.execute_in_process(
         run_config=run_config,
-        resources={"tq": QueueResource(database_url=database_url, **resource_settings)},
+        resources={
+            "tq": QueueResource(database_url=database_url, **resource_settings),
+            "crawl": CrawlResource(),
+        },
         partition_key=partition_key,
         raise_on_error=False,
     )
@@ -86,6 +89,12 @@ def failure_text(result: dg.ExecuteInProcessResult) -> str:
 
 def task_count(conn: psycopg.Connection) -> int:
     return conn.execute("SELECT count(*) FROM worker_tasks").fetchone()[0]
+
+
+@pytest.fixture
+def noop_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROLE's handler is the no-op one: these tests are about the queue, not the crawl."""
+    monkeypatch.setenv("TQ_HANDLERS", f"{ROLE}=tq_pipelines.handlers:noop")
 
 
 # -- handler plug-ins: a real distribution's metadata on sys.path -------------------------------
@@ -210,7 +219,7 @@ def test_bad_role_caps_fail_the_run_naming_the_setting(db_url: str, conn: psycop
 
 
 def test_recover_gives_back_a_silent_workers_task_and_the_drain_completes_it(
-    db_url: str, conn: psycopg.Connection, queue: TaskQueue
+    db_url: str, conn: psycopg.Connection, queue: TaskQueue, noop_handler: None
 ):
     add_tasks(conn, ROLE, add_stores(conn, 3), 1)
     for worker in ("dead-worker", "live-worker"):
@@ -280,7 +289,7 @@ def test_recover_threshold_comes_from_run_config(db_url: str, conn: psycopg.Conn
     [pytest.param(100, 10, 1, id="1000 tasks inline"), pytest.param(20, 10, 4, id="200 tasks, 4 threads")],
 )
 def test_drain_completes_every_ready_task(
-    db_url: str, conn: psycopg.Connection, stores: int, per_store: int, concurrency: int
+    db_url: str, conn: psycopg.Connection, stores: int, per_store: int, concurrency: int, noop_handler: None
 ):
     total = add_tasks(conn, ROLE, add_stores(conn, stores), per_store)
     add_tasks(conn, "product_discovery", add_stores(conn, 3), 1)  # another role: not drained
@@ -425,7 +434,7 @@ def materialize_hour(db_url: str, threshold: float | None = None) -> dg.ExecuteI
     return dg.materialize(
         [task_completion_log],
         partition_key=HOUR,
-        resources={"tq": QueueResource(database_url=db_url)},
+        resources={"tq": QueueResource(database_url=db_url), "crawl": CrawlResource()},
         run_config={"ops": {"task_completion_log": {"config": config}}},
     )
 

@@ -21,7 +21,7 @@ from tests.helpers import add_stores, add_tasks
 from tq_pipelines.alerts import AlertResource
 from tq_pipelines.jobs import drain_tasks_job, generate_resync_tasks_job
 from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import QueueResource
+from tq_pipelines.resources import CrawlResource, QueueResource
 from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
 from tq_pipelines.sensors.queue import task_queue_sensor
 
@@ -391,7 +391,7 @@ def test_failed_run_is_posted_to_the_webhook_with_a_link(
     # database fails the same way, after the pool's 30 s wait; see test_dagster_jobs).
     result = generate_resync_tasks_job.execute_in_process(
         run_config={"ops": {"generate_resync_tasks": {"config": {"batches_per_day": 25}}}},
-        resources={"tq": QueueResource(database_url=db_url)},
+        resources={"tq": QueueResource(database_url=db_url), "crawl": CrawlResource()},
         instance=instance,
         partition_key="2026-06-01",
         raise_on_error=False,
@@ -410,7 +410,7 @@ def test_failed_run_is_posted_to_the_webhook_with_a_link(
 def test_failed_drain_run_alert_names_its_role(db_url: str, webhook: Webhook, instance: dg.DagsterInstance):
     result = drain_tasks_job.execute_in_process(
         run_config={"ops": {"drain_role_tasks": {"config": {"role": "no_such_role"}}}},
-        resources={"tq": QueueResource(database_url=db_url)},
+        resources={"tq": QueueResource(database_url=db_url), "crawl": CrawlResource()},
         instance=instance,
         tags={"tq/role": "no_such_role"},
         raise_on_error=False,
@@ -423,7 +423,7 @@ def test_failed_drain_run_alert_names_its_role(db_url: str, webhook: Webhook, in
 def test_an_unreachable_webhook_does_not_fail_the_sensor(db_url: str, instance: dg.DagsterInstance):
     result = drain_tasks_job.execute_in_process(
         run_config={"ops": {"drain_role_tasks": {"config": {"role": "no_such_role"}}}},
-        resources={"tq": QueueResource(database_url=db_url)},
+        resources={"tq": QueueResource(database_url=db_url), "crawl": CrawlResource()},
         instance=instance,
         raise_on_error=False,
     )

@@ -1,13 +1,16 @@
 """Role handlers: a registry from role to the function that does one task of that role.
 
-Built-in handlers are listed in :data:`BUILTIN`. A deployment plugs its own in through the entry
-point group ``tq_pipelines.handlers`` (name = role, value = ``module:function``); an entry point
-replaces the built-in handler of the same role.
+Built-in handlers (:data:`BUILTIN`) are the crawl handlers of :mod:`tq_pipelines.crawl.handlers`.
+A deployment plugs its own in through the entry point group ``tq_pipelines.handlers`` (name =
+role, value = ``module:function``); an entry point replaces the built-in handler of the same role.
+``TQ_HANDLERS`` ("role=module:function,...") overrides both, for one process, without packaging.
 """
 
+import os
 from collections.abc import Mapping
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
+from tq_pipelines.crawl.handlers import HANDLERS
 from tq_pipelines.queue import JSON, ROLES, Task
 from tq_pipelines.worker import Handler, TaskContext
 
@@ -23,13 +26,26 @@ def noop(task: Task, ctx: TaskContext) -> JSON:
     return {"handler": "noop", "role": task.role}
 
 
-BUILTIN: Mapping[str, Handler] = dict.fromkeys(ROLES, noop)
+BUILTIN: Mapping[str, Handler] = HANDLERS
+
+
+def _overrides(spec: str) -> list[EntryPoint]:
+    """TQ_HANDLERS entries as entry points, so that they load and fail the same way."""
+    found = []
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        role, sep, value = item.partition("=")
+        if not sep or ":" not in value:
+            raise HandlerRegistryError(f"TQ_HANDLERS: {item!r} is not role=module:function")
+        found.append(EntryPoint(role.strip(), value.strip(), "TQ_HANDLERS"))
+    return found
 
 
 def load_handlers(roles: tuple[str, ...] = ROLES) -> dict[str, Handler]:
-    """The handler of every role: built-ins, overridden by entry points. Raises if one is missing."""
+    """The handler of every role: built-ins, overridden by entry points, then by TQ_HANDLERS.
+    Raises if one is missing or cannot be loaded."""
     handlers: dict[str, Handler] = dict(BUILTIN)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    plugged = [*entry_points(group=ENTRY_POINT_GROUP), *_overrides(os.environ.get("TQ_HANDLERS", ""))]
+    for ep in plugged:
         try:
             handler = ep.load()
         except Exception as exc:

@@ -37,6 +37,11 @@ class HealthThresholds(dg.ConfigurableResource):
     failure_rate: float = Field(default=0.2, ge=0, le=1)
     min_finished: int = Field(default=20, ge=1, description="Finished tasks in the hour before a rate counts")
     resync_hour_utc: int = Field(default=0, ge=0, le=23, description="When the next resync lands")
+    platform_window_minutes: int = Field(default=15, ge=1, description="Window of the platform check")
+    platform_error_rate: float = Field(
+        default=0.5, ge=0, le=1, description="Share of a platform's tasks ending in an error"
+    )
+    platform_min_errors: int = Field(default=10, ge=1, description="Errors in the window before it counts")
 
 
 def hours_to_next_resync(now: datetime, resync_hour_utc: int) -> float:
@@ -56,6 +61,14 @@ def queue_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -
             f"{stuck} task(s) claimed or running with no sign of life for over "
             f"{tq.stale_threshold_minutes} minutes; is recover_stale_tasks_schedule running?",
         )
+    for p in tq.queue.platform_errors(limits.platform_window_minutes):
+        total = p["errors"] + p["completed"]
+        if p["errors"] >= limits.platform_min_errors and p["errors"] / total > limits.platform_error_rate:
+            problems[f"platform:{p['platform']}"] = Alert(
+                f"platform {p['platform']} is failing",
+                f"{p['errors']} of {total} tasks on {p['platform']} ended in an error in the last "
+                f"{limits.platform_window_minutes} minutes (retried or failed). Latest: {p['last_error']}",
+            )
     horizon = hours_to_next_resync(now, limits.resync_hour_utc)
     for c in tq.queue.capacity():
         finished = c.completed_last_hour + c.failed_last_hour

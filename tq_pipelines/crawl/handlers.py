@@ -1,0 +1,178 @@
+"""The five roles' handlers. Each takes a task and its context and returns the task's result.
+
+HTTP goes through the run's :class:`CrawlServices` (``ctx.services``); database writes go through
+``ctx.transaction()``, which is fenced by the task's lease: a handler that lost its task writes
+nothing. Every write is idempotent, so a task run twice (a lease lost after the commit) is safe.
+"""
+
+from typing import Any
+
+from psycopg.types.json import Jsonb
+
+from tq_pipelines.crawl.http import GoneError
+from tq_pipelines.crawl.menu import menu_hash, normalise_menu
+from tq_pipelines.crawl.platforms import CrawlServices, EntryPoint, PlatformSettings
+from tq_pipelines.db.queries import query
+from tq_pipelines.queue import JSON, Task, TaskQueue
+from tq_pipelines.worker import PermanentTaskError, TaskContext
+
+
+def _services(ctx: TaskContext) -> CrawlServices:
+    if not isinstance(ctx.services, CrawlServices):
+        raise PermanentTaskError(
+            "this worker has no platform settings: set TQ_PLATFORMS_FILE (see docs/PLATFORMS.md)"
+        )
+    return ctx.services
+
+
+def _store(ctx: TaskContext, task: Task) -> dict[str, Any]:
+    if task.dispensary_id is None:
+        raise PermanentTaskError(f"a {task.role} task needs a store (dispensary_id)")
+    assert ctx.pool is not None
+    with ctx.pool.connection() as conn:
+        row = conn.execute(query("store_entry_point"), {"dispensary_id": task.dispensary_id}).fetchone()
+    if row is None:
+        raise PermanentTaskError(f"store {task.dispensary_id} does not exist")
+    names = ("id", "name", "menu_type", "platform_dispensary_id", "crawl_enabled", "directory_id", "menu_url")
+    return dict(zip(names, row, strict=False))
+
+
+def _gone(ctx: TaskContext, store: dict[str, Any], exc: GoneError) -> PermanentTaskError:
+    """Record that the platform no longer has the store; the error to fail the task with."""
+    with ctx.transaction() as cur:
+        cur.execute(query("mark_store_gone"), {"dispensary_id": store["id"], "platform": store["menu_type"]})
+    return PermanentTaskError(
+        f"store gone: {store['menu_type']} answered HTTP {exc.status} for {exc.url}; "
+        "crawling is off until store_discovery lists the store again"
+    )
+
+
+def store_discovery(task: Task, ctx: TaskContext) -> JSON:
+    """List a platform's stores in one region (payload: platform, region) and upsert them."""
+    platform = task.payload.get("platform") or task.platform
+    region = task.payload.get("region")
+    if not platform:
+        raise PermanentTaskError(
+            "store_discovery needs a platform (payload {'platform': ..., 'region': ...})"
+        )
+    listings = _services(ctx).adapter(platform).list_stores(region)
+    ctx.progress("listed", stores=len(listings))
+    ctx.check_lease()
+    stores = [{"id": s.directory_id, "name": s.name, "region": s.region} for s in listings]
+    with ctx.transaction() as cur:
+        rows = cur.execute(
+            query("upsert_listed_stores"), {"platform": platform, "stores": Jsonb(stores)}
+        ).fetchall()
+    return {
+        "platform": platform,
+        "region": region,
+        "listed": len(rows),
+        "new": sum(1 for r in rows if r["created"]),
+    }
+
+
+def entry_point_discovery(task: Task, ctx: TaskContext) -> JSON:
+    """Resolve the store's platform id and menu URL, then queue its first crawl."""
+    store = _store(ctx, task)
+    directory_id = store["directory_id"] or store["platform_dispensary_id"]
+    if not directory_id:
+        raise PermanentTaskError(
+            f"store {store['id']} has no directory id: it was not listed by store_discovery "
+            "and has no platform_dispensary_id"
+        )
+    try:
+        entry = _services(ctx).adapter(store["menu_type"]).resolve_entry_point(directory_id)
+    except GoneError as exc:
+        raise _gone(ctx, store, exc) from exc
+    ctx.check_lease()
+    with ctx.transaction() as cur:
+        cur.execute(
+            query("save_entry_point"),
+            {
+                "dispensary_id": store["id"],
+                "platform": store["menu_type"],
+                "platform_id": entry.platform_id,
+                "menu_url": entry.menu_url,
+            },
+        )
+        queued = cur.execute(
+            query("enqueue_task_once"),
+            {
+                "role": "product_discovery",
+                "dispensary_id": store["id"],
+                "platform": store["menu_type"],
+                "priority": 0,
+                "scheduled_for": None,
+                "payload": None,
+            },
+        ).fetchone()
+    return {
+        "platform_id": entry.platform_id,
+        "menu_url": entry.menu_url,
+        "queued_discovery": queued is not None,
+    }
+
+
+def crawl_menu(task: Task, ctx: TaskContext) -> JSON:
+    """product_discovery and product_resync: fetch, validate, and store what changed."""
+    store = _store(ctx, task)
+    if not store["platform_dispensary_id"]:
+        raise PermanentTaskError(
+            f"store {store['id']} has no platform id yet: entry_point_discovery must resolve it first"
+        )
+    entry = EntryPoint(store["platform_dispensary_id"], store["menu_url"])
+    try:
+        raw = _services(ctx).adapter(store["menu_type"]).fetch_menu(entry)
+    except GoneError as exc:
+        raise _gone(ctx, store, exc) from exc
+    products = normalise_menu(raw)
+    digest = menu_hash(products)
+    ctx.progress("fetched", products=len(products))
+    ctx.check_lease()
+    with ctx.transaction() as cur:
+        row = cur.execute(
+            query("store_menu"),
+            {"dispensary_id": store["id"], "menu_hash": digest, "products": Jsonb(products)},
+        ).fetchone()
+    assert row is not None
+    return {
+        "seen": row["seen"],
+        "new": row["new"],
+        "changed": row["changed"],
+        "gone": row["gone"],
+        "unchanged": row["unchanged"],
+        "menu_hash": digest[:16],
+    }
+
+
+def analytics_refresh(task: Task, ctx: TaskContext) -> JSON:
+    """Recompute store_analytics in one transaction; readers never wait."""
+    with ctx.transaction() as cur:
+        refreshed = cur.execute(query("refresh_store_analytics")).fetchone()
+        summary = cur.execute(query("analytics_summary")).fetchone()
+    assert refreshed is not None and summary is not None
+    return {**refreshed, **{k: int(v) for k, v in summary.items()}}
+
+
+HANDLERS = {
+    "store_discovery": store_discovery,
+    "entry_point_discovery": entry_point_discovery,
+    "product_discovery": crawl_menu,
+    "product_resync": crawl_menu,
+    "analytics_refresh": analytics_refresh,
+}
+
+# Roles whose handlers make HTTP requests: their drain runs need platform settings and threads.
+HTTP_ROLES = frozenset({"store_discovery", "entry_point_discovery", "product_discovery", "product_resync"})
+
+
+def enqueue_store_discovery(queue: TaskQueue, settings: dict[str, PlatformSettings]) -> int:
+    """One store_discovery task per platform and region (none where one is still queued);
+    returns how many were created."""
+    created = 0
+    for platform, s in sorted(settings.items()):
+        regions: list[str | None] = [*s.regions] or [None]
+        for region in regions:
+            payload = {"platform": platform} | ({"region": region} if region else {})
+            created += queue.enqueue_once("store_discovery", platform=platform, payload=payload) is not None
+    return created

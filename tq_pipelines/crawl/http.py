@@ -1,0 +1,169 @@
+"""HTTP for handlers: one shared httpx client, politeness per host, and errors classified.
+
+Per host (scheme, name and port), at most ``max_in_flight`` requests at once and at most
+``requests_per_second`` started. A handler that cannot get a slot within ``slot_wait_seconds``
+defers its task (:class:`DeferTask`) instead of holding a worker thread: one slow host must not
+starve the others. A 429 with Retry-After pauses the whole host for that long.
+"""
+
+import email.utils
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from tq_pipelines.worker import DeferTask, PermanentTaskError, TransientTaskError
+
+
+class GoneError(PermanentTaskError):
+    """The platform says the thing asked for does not exist (404) or no longer exists (410)."""
+
+    def __init__(self, url: str, status: int) -> None:
+        super().__init__(f"HTTP {status} for {url}")
+        self.url = url
+        self.status = status
+
+
+@dataclass(frozen=True)
+class HostLimits:
+    max_in_flight: int = 4
+    requests_per_second: float = 10.0
+    slot_wait_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1 or self.requests_per_second <= 0 or self.slot_wait_seconds < 0:
+            raise ValueError("max_in_flight must be >= 1, requests_per_second > 0 and slot_wait_seconds >= 0")
+
+
+class _Host:
+    """One host's slots (a semaphore), its token bucket and its pause."""
+
+    def __init__(self, limits: HostLimits) -> None:
+        self.limits = limits
+        self.slots = threading.BoundedSemaphore(limits.max_in_flight)
+        self.lock = threading.Lock()
+        self.due = 0.0  # the rate's theoretical start of the next request (monotonic)
+        self.paused_until = 0.0
+
+    def reserve_start(self) -> float:
+        """Take the next start the rate allows (GCRA: a burst of up to ``max_in_flight`` after an
+        idle spell, then one per interval); returns how long to wait for it."""
+        with self.lock:
+            now = time.monotonic()
+            interval = 1.0 / self.limits.requests_per_second
+            tolerance = interval * (self.limits.max_in_flight - 1)
+            due = max(self.due, now)
+            start = max(now, due - tolerance, self.paused_until)
+            self.due = max(due, start) + interval
+            return start - now
+
+
+def host_key(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """Retry-After as seconds: either delta-seconds or an HTTP date."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class PoliteClient:
+    """GETs JSON under per-host limits; raises the worker's error classes for what went wrong."""
+
+    def __init__(self, *, timeout_seconds: float = 10.0, user_agent: str = "tq_pipelines") -> None:
+        self.client = httpx.Client(
+            timeout=httpx.Timeout(timeout_seconds),
+            headers={"User-Agent": user_agent, "Accept": "application/json"},
+            # The pool must not be the bottleneck: the per-host limits are.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            follow_redirects=True,
+        )
+        self._hosts: dict[str, _Host] = {}
+        self._limits: dict[str, HostLimits] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "PoliteClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def set_limits(self, base_url: str, limits: HostLimits) -> None:
+        """Limits for the host of ``base_url``; hosts not set get :class:`HostLimits` defaults."""
+        with self._lock:
+            self._limits[host_key(base_url)] = limits
+            self._hosts.pop(host_key(base_url), None)
+
+    def _host(self, key: str) -> _Host:
+        with self._lock:
+            host = self._hosts.get(key)
+            if host is None:
+                host = self._hosts[key] = _Host(self._limits.get(key, HostLimits()))
+            return host
+
+    def get_json(
+        self, url: str, params: dict[str, Any] | None = None, *, timeout: float | None = None
+    ) -> Any:
+        """The JSON body of a GET. Timeouts, connection errors, 429 and 5xx raise
+        :class:`TransientTaskError`; 404/410 :class:`GoneError`; other 4xx and a body that is not
+        JSON :class:`PermanentTaskError`; a saturated host :class:`DeferTask`."""
+        key = host_key(url)
+        host = self._host(key)
+        wait = host.limits.slot_wait_seconds
+        if not host.slots.acquire(timeout=wait):
+            raise DeferTask(max(1.0, wait), f"{key}: {host.limits.max_in_flight} requests in flight")
+        try:
+            delay = host.reserve_start()
+            if delay > wait:
+                raise DeferTask(delay, f"{key}: paused or rate-limited for {delay:.1f} s")
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                response = self.client.get(
+                    url, params=params, timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+                )
+            except httpx.TimeoutException as exc:
+                raise TransientTaskError(f"timeout on GET {url}: {type(exc).__name__}") from exc
+            except httpx.TransportError as exc:
+                raise TransientTaskError(f"connection error on GET {url}: {exc}") from exc
+        finally:
+            host.slots.release()
+        return self._body(response, host)
+
+    @staticmethod
+    def _body(response: httpx.Response, host: _Host) -> Any:
+        status = response.status_code
+        url = str(response.request.url)
+        if status == 429 or status >= 500:
+            after = retry_after_seconds(response.headers.get("Retry-After"))
+            if status == 429 and after:
+                with host.lock:
+                    host.paused_until = max(host.paused_until, time.monotonic() + after)
+            raise TransientTaskError(
+                f"HTTP {status} for {url}" + (f" (Retry-After {after:.0f} s)" if after else ""),
+                retry_after=after,
+            )
+        if status in (404, 410):
+            raise GoneError(url, status)
+        if status >= 400:
+            raise PermanentTaskError(f"HTTP {status} for {url}: {response.text[:200]}")
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise PermanentTaskError(f"{url} did not answer JSON: {exc}") from exc

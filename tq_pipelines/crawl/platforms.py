@@ -1,0 +1,217 @@
+"""Platforms: each is an adapter behind one small interface, configured from a TOML file.
+
+The file (``TQ_PLATFORMS_FILE``) has one table per platform, named as the stores' ``menu_type``::
+
+    [platforms.dutchie]
+    base_url = "https://menus.example.com/dutchie"
+    regions = ["north", "south"]     # what store_discovery lists
+    max_in_flight = 4                 # politeness, per host
+    requests_per_second = 10
+
+Every key is documented on :class:`PlatformSettings`; docs/PLATFORMS.md has the protocol of the
+generic adapter and how to write another.
+"""
+
+import importlib
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import quote, urljoin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tq_pipelines.crawl.http import HostLimits, PoliteClient
+from tq_pipelines.worker import PermanentTaskError
+
+
+class PlatformSettingsError(ValueError):
+    """The platforms file is missing, unreadable or wrong; the message says where."""
+
+
+class PlatformSettings(BaseModel):
+    """One platform's settings. Unknown keys are refused, so a typo is an error, not a default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base_url: str = Field(pattern=r"^https?://", description="Root of the platform's menu API")
+    adapter: str = Field(default="generic", description="'generic', or module:factory(settings, http)")
+    regions: list[str] = Field(default_factory=list, description="Regions store_discovery lists")
+    stores_path: str = "/stores"
+    store_path: str = "/stores/{directory_id}"
+    menu_path: str = "/menus/{platform_id}"
+    max_in_flight: int = Field(default=4, ge=1, le=256)
+    requests_per_second: float = Field(default=10.0, gt=0)
+    slot_wait_seconds: float = Field(default=5.0, ge=0)
+    timeout_seconds: float = Field(default=10.0, gt=0)
+    max_pages: int = Field(default=100, ge=1, description="Store directory pages followed at most")
+
+    def limits(self) -> HostLimits:
+        return HostLimits(self.max_in_flight, self.requests_per_second, self.slot_wait_seconds)
+
+    def url(self, path: str) -> str:
+        return urljoin(self.base_url.rstrip("/") + "/", path.lstrip("/"))
+
+
+def load_platform_settings(path: str | Path) -> dict[str, PlatformSettings]:
+    """The platforms of a TOML file; raises :class:`PlatformSettingsError` naming the bad key."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise PlatformSettingsError(f"cannot read platforms file {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise PlatformSettingsError(f"platforms file {path} is not TOML: {exc}") from exc
+    tables = data.get("platforms")
+    if not isinstance(tables, dict) or not tables:
+        raise PlatformSettingsError(f"platforms file {path} has no [platforms.<name>] table")
+    settings: dict[str, PlatformSettings] = {}
+    for name, table in tables.items():
+        try:
+            settings[name] = PlatformSettings.model_validate(table)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise PlatformSettingsError(f"platforms file {path}, [platforms.{name}]: {problems}") from None
+    return settings
+
+
+@dataclass(frozen=True)
+class StoreListing:
+    directory_id: str
+    name: str
+    region: str | None = None
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    platform_id: str
+    menu_url: str | None = None
+
+
+class PlatformAdapter(Protocol):
+    """What the handlers need of a platform. Errors are the worker's classes (see crawl.http)."""
+
+    def list_stores(self, region: str | None) -> list[StoreListing]: ...
+
+    def resolve_entry_point(self, directory_id: str) -> EntryPoint: ...
+
+    def fetch_menu(self, entry: EntryPoint) -> Any:
+        """The menu's products in the generic shape (validated by the handler)."""
+        ...
+
+
+AdapterFactory = Callable[[PlatformSettings, PoliteClient], PlatformAdapter]
+
+
+def _field(data: Any, key: str, where: str) -> Any:
+    if not isinstance(data, dict) or key not in data:
+        raise PermanentTaskError(f"{where}: expected an object with {key!r}, got {str(data)[:200]}")
+    return data[key]
+
+
+class GenericJsonAdapter:
+    """A JSON-over-HTTP menu API (docs/PLATFORMS.md):
+
+    - ``GET stores_path?region=R`` → ``{"stores": [{"id", "name", "region"}], "next": path|null}``
+    - ``GET store_path`` → ``{"platform_id": ..., "menu_url": ...|null}``
+    - ``GET menu_url`` (else ``menu_path``) → ``{"products": [...]}``
+    """
+
+    def __init__(self, settings: PlatformSettings, http: PoliteClient) -> None:
+        self.settings = settings
+        self.http = http
+
+    def list_stores(self, region: str | None) -> list[StoreListing]:
+        url: str | None = self.settings.url(self.settings.stores_path)
+        params = {"region": region} if region else None
+        stores: list[StoreListing] = []
+        for _ in range(self.settings.max_pages):
+            if url is None:
+                break
+            page = self.http.get_json(url, params=params, timeout=self.settings.timeout_seconds)
+            for item in _field(page, "stores", url):
+                stores.append(
+                    StoreListing(
+                        directory_id=str(_field(item, "id", url)),
+                        name=str(item.get("name") or item["id"]),
+                        region=item.get("region", region),
+                    )
+                )
+            nxt = page.get("next")
+            # The next link carries its own query string.
+            url, params = (self.settings.url(nxt) if nxt else None), None
+        else:
+            if url is not None:
+                raise PermanentTaskError(
+                    f"store directory {self.settings.stores_path} has more than max_pages "
+                    f"({self.settings.max_pages}) pages"
+                )
+        return stores
+
+    def resolve_entry_point(self, directory_id: str) -> EntryPoint:
+        url = self.settings.url(self.settings.store_path.format(directory_id=quote(directory_id, safe="")))
+        body = self.http.get_json(url, timeout=self.settings.timeout_seconds)
+        platform_id = _field(body, "platform_id", url)
+        if not isinstance(platform_id, str | int) or str(platform_id) == "":
+            raise PermanentTaskError(f"{url}: platform_id must be a non-empty string, got {platform_id!r}")
+        menu_url = body.get("menu_url")
+        return EntryPoint(str(platform_id), self.settings.url(menu_url) if menu_url else None)
+
+    def fetch_menu(self, entry: EntryPoint) -> Any:
+        url = entry.menu_url or self.settings.url(
+            self.settings.menu_path.format(platform_id=quote(entry.platform_id, safe=""))
+        )
+        return _field(self.http.get_json(url, timeout=self.settings.timeout_seconds), "products", url)
+
+
+def adapter_factory(spec: str) -> AdapterFactory:
+    """'generic', or 'module:callable' taking (settings, http)."""
+    if spec == "generic":
+        return GenericJsonAdapter
+    module, _, name = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise PlatformSettingsError(f"adapter {spec!r} cannot be loaded: {exc}") from exc
+    if not callable(factory):
+        raise PlatformSettingsError(f"adapter {spec!r} is not callable")
+    return factory  # type: ignore[no-any-return]
+
+
+class CrawlServices:
+    """What the crawl handlers share in one process: the HTTP client and an adapter per platform."""
+
+    def __init__(self, settings: Mapping[str, PlatformSettings], *, http: PoliteClient | None = None) -> None:
+        timeout = max((s.timeout_seconds for s in settings.values()), default=10.0)
+        self.http = http or PoliteClient(timeout_seconds=timeout)
+        self.settings = dict(settings)
+        self.adapters: dict[str, PlatformAdapter] = {}
+        for name, s in self.settings.items():
+            self.http.set_limits(s.base_url, s.limits())
+            self.adapters[name] = adapter_factory(s.adapter)(s, self.http)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "CrawlServices":
+        return cls(load_platform_settings(path))
+
+    def adapter(self, platform: str | None) -> PlatformAdapter:
+        try:
+            return self.adapters[platform or ""]
+        except KeyError:
+            raise PermanentTaskError(
+                f"platform {platform!r} has no settings (TQ_PLATFORMS_FILE); "
+                f"configured: {', '.join(sorted(self.adapters)) or 'none'}"
+            ) from None
+
+    def max_in_flight(self) -> int:
+        """Requests the limits allow at once over all platforms: the threads a drain run needs."""
+        return sum(s.max_in_flight for s in self.settings.values())
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "CrawlServices":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

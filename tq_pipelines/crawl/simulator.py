@@ -1,0 +1,342 @@
+"""A menu simulator: real HTTP servers on 127.0.0.1 speaking the generic adapter's protocol.
+
+One server (one port, so one host for the politeness limits) per platform. Stores and menus are
+derived from a seed, so every run sees the same fleet; menus change over time (each store every
+few ``change_seconds``), a few stores go away, and a share of requests answer 429, 500 or hang
+past the client's timeout. A platform can also have outage windows (every request 503).
+Each server counts requests, answers and the most requests it ever had in flight.
+"""
+
+import json
+import random
+import threading
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+REGIONS = ("north", "south", "east")
+CATEGORIES = ("flower", "vape", "edible", "preroll", "concentrate", "tincture")
+BRANDS = ("Green Leaf", "Highland", "Sunnyside", "Old Pal", "Kiva", "Wyld", "Stiiizy", "Cresco")
+WORDS = ("Blue", "Dream", "Sour", "Diesel", "Gelato", "Haze", "Kush", "Lemon", "Mint", "OG", "Runtz")
+PAGE_SIZE = 100
+
+
+@dataclass
+class PlatformProfile:
+    """How one simulated platform behaves."""
+
+    name: str
+    stores: int = 100
+    latency_ms: float = 80.0
+    jitter: float = 0.5  # latency varies uniformly by +- this share
+    rate_429: float = 0.0
+    rate_500: float = 0.0
+    rate_timeout: float = 0.0
+    timeout_sleep_seconds: float = 15.0
+    retry_after_seconds: int = 2
+    gone_share: float = 0.0  # stores that disappear, at random times within gone_within_seconds
+    gone_within_seconds: float = 3600.0
+    change_seconds: float = 300.0  # a store's menu changes every 1..4 of these
+    outage_every_seconds: float = 0.0  # 0: never
+    outage_seconds: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class _Store:
+    directory_id: str
+    platform_id: str
+    name: str
+    region: str
+    products: int
+    change_every: int
+    gone_after: float | None
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+    answers: Counter[int] = field(default_factory=Counter)
+
+
+class SimulatedPlatform:
+    """One platform's server. ``start()`` binds a free port on 127.0.0.1; ``base_url`` is its root."""
+
+    def __init__(self, profile: PlatformProfile, *, started_at: float | None = None) -> None:
+        self.profile = profile
+        self.started_at = time.time() if started_at is None else started_at
+        self.stats = Stats()
+        self._lock = threading.Lock()
+        self._random = random.Random(profile.seed ^ zlib.crc32(profile.name.encode()))
+        rng = random.Random(zlib.crc32(f"{profile.seed}:{profile.name}".encode()))
+        self.stores: dict[str, _Store] = {}
+        self.by_platform_id: dict[str, _Store] = {}
+        for n in range(profile.stores):
+            gone = rng.random() < profile.gone_share
+            store = _Store(
+                directory_id=f"{profile.name}-{n:05d}",
+                platform_id=f"{zlib.crc32(f'{profile.name}{n}'.encode()):08x}",
+                name=f"{rng.choice(WORDS)} {rng.choice(('Dispensary', 'Cannabis Co', 'Wellness'))} #{n}",
+                region=REGIONS[n % len(REGIONS)],
+                products=rng.randint(20, 60),
+                change_every=rng.randint(1, 4),
+                gone_after=rng.uniform(0, profile.gone_within_seconds) if gone else None,
+            )
+            self.stores[store.directory_id] = store
+            self.by_platform_id[store.platform_id] = store
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- the fleet over time ----------------------------------------------------------------------
+
+    def elapsed(self) -> float:
+        return time.time() - self.started_at
+
+    def is_gone(self, store: _Store) -> bool:
+        return store.gone_after is not None and self.elapsed() >= store.gone_after
+
+    def in_outage(self) -> bool:
+        p = self.profile
+        if not p.outage_every_seconds or not p.outage_seconds:
+            return False
+        # The first window opens one period after the start, so a fresh demo starts healthy.
+        t = self.elapsed()
+        return t >= p.outage_every_seconds and t % p.outage_every_seconds < p.outage_seconds
+
+    def menu_version(self, store: _Store) -> int:
+        return int(self.elapsed() // (self.profile.change_seconds * store.change_every))
+
+    def menu(self, store: _Store, version: int | None = None) -> list[dict[str, Any]]:
+        """The store's products at a menu version: the same version gives the same menu."""
+        version = self.menu_version(store) if version is None else version
+        base = random.Random(zlib.crc32(f"{self.profile.seed}:{store.platform_id}".encode()))
+        products = []
+        for n in range(store.products):
+            category = base.choice(CATEGORIES)
+            price = round(base.uniform(5, 80), 2)
+            thc = None if category == "tincture" else round(base.uniform(5, 35), 1)
+            vary = random.Random(zlib.crc32(f"{store.platform_id}:{n}:{version}".encode()))
+            if version and vary.random() < 0.2:  # a fifth of the products move each version
+                price = round(price * vary.choice((0.9, 0.95, 1.05, 1.1)), 2)
+            products.append(
+                {
+                    "id": f"p{n}",
+                    "name": f"{base.choice(WORDS)} {base.choice(WORDS)} {category.title()}",
+                    "brand": base.choice(BRANDS),
+                    "category": category,
+                    "price": price,
+                    "thc": thc,
+                    "cbd": round(base.uniform(0, 2), 1),
+                    "in_stock": vary.random() > 0.1,
+                }
+            )
+        return products
+
+    # -- HTTP -------------------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        if self._server is None:
+            raise RuntimeError("simulator not started")
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self, port: int = 0) -> "SimulatedPlatform":
+        platform = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            # Headers and body go out in two writes; with Nagle on, the body waits for an ACK.
+            disable_nagle_algorithm = True
+
+            def do_GET(self) -> None:
+                platform._serve(self)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            request_queue_size = 256
+
+        self._server = Server(("127.0.0.1", port), Handler)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name=f"sim-{self.profile.name}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def _serve(self, request: BaseHTTPRequestHandler) -> None:
+        url = urlsplit(request.path)
+        if url.path == "/_stats":
+            with self._lock:
+                body = {
+                    "requests": self.stats.requests,
+                    "in_flight": self.stats.in_flight,
+                    "max_in_flight": self.stats.max_in_flight,
+                    "answers": {str(k): v for k, v in self.stats.answers.items()},
+                }
+            self._send(request, 200, body)
+            return
+        with self._lock:
+            self.stats.requests += 1
+            self.stats.in_flight += 1
+            self.stats.max_in_flight = max(self.stats.max_in_flight, self.stats.in_flight)
+            draw = self._random.random()
+            delay = (
+                self.profile.latency_ms / 1000 * (1 + self.profile.jitter * (2 * self._random.random() - 1))
+            )
+        status = 0
+        try:
+            time.sleep(max(0.0, delay))
+            status, body, headers = self._answer(url.path, parse_qs(url.query), draw)
+            if status == -1:  # a hang: the client times out first
+                time.sleep(self.profile.timeout_sleep_seconds)
+                status, body, headers = 504, {"error": "upstream timeout"}, {}
+            self._send(request, status, body, headers)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            with self._lock:
+                self.stats.in_flight -= 1
+                self.stats.answers[status] += 1
+
+    def _answer(  # noqa: PLR0911 (one return per route and fault)
+        self, path: str, query: dict[str, list[str]], draw: float
+    ) -> tuple[int, Any, dict[str, str]]:
+        p = self.profile
+        if self.in_outage():
+            return 503, {"error": f"{p.name} is down for maintenance"}, {"Retry-After": "30"}
+        if draw < p.rate_429:
+            return 429, {"error": "slow down"}, {"Retry-After": str(p.retry_after_seconds)}
+        draw -= p.rate_429
+        if draw < p.rate_500:
+            return 500, {"error": "internal error"}, {}
+        draw -= p.rate_500
+        if draw < p.rate_timeout:
+            return -1, None, {}
+        parts = [unquote(x) for x in path.strip("/").split("/")]
+        if parts == ["stores"]:
+            region = query["region"][0] if query.get("region") else None
+            page = int((query.get("page") or ["0"])[0])
+            listed = [
+                s
+                for s in self.stores.values()
+                if (region is None or s.region == region) and not self.is_gone(s)
+            ]
+            chunk = listed[page * PAGE_SIZE : (page + 1) * PAGE_SIZE]
+            more = (page + 1) * PAGE_SIZE < len(listed)
+            nxt = f"/stores?page={page + 1}" + (f"&region={region}" if region else "") if more else None
+            stores = [{"id": s.directory_id, "name": s.name, "region": s.region} for s in chunk]
+            return 200, {"stores": stores, "next": nxt}, {}
+        if len(parts) == 2 and parts[0] == "stores":
+            store = self.stores.get(parts[1])
+            if store is None:
+                return 404, {"error": "no such store"}, {}
+            if self.is_gone(store):
+                return 410, {"error": "store closed"}, {}
+            return 200, {"platform_id": store.platform_id, "menu_url": f"/menus/{store.platform_id}"}, {}
+        if len(parts) == 2 and parts[0] == "menus":
+            menu_store = self.by_platform_id.get(parts[1])
+            if menu_store is None:
+                return 404, {"error": "no such menu"}, {}
+            if self.is_gone(menu_store):
+                return 410, {"error": "store closed"}, {}
+            return 200, {"store": menu_store.platform_id, "products": self.menu(menu_store)}, {}
+        return 404, {"error": f"no route {path}"}, {}
+
+    @staticmethod
+    def _send(
+        request: BaseHTTPRequestHandler, status: int, body: Any, headers: dict[str, str] | None = None
+    ) -> None:
+        data = json.dumps(body).encode()
+        request.send_response(status)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            request.send_header(k, v)
+        request.end_headers()
+        request.wfile.write(data)
+
+
+class Simulator:
+    """Several platforms, started and stopped together."""
+
+    def __init__(self, profiles: list[PlatformProfile]) -> None:
+        started = time.time()
+        self.platforms = {p.name: SimulatedPlatform(p, started_at=started) for p in profiles}
+
+    def start(self) -> "Simulator":
+        for p in self.platforms.values():
+            p.start()
+        return self
+
+    def stop(self) -> None:
+        for p in self.platforms.values():
+            p.stop()
+
+    def __enter__(self) -> "Simulator":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def platforms_toml(self, **overrides: Any) -> str:
+        """A platforms file pointing the generic adapter at these servers."""
+        lines = []
+        for name, p in self.platforms.items():
+            lines.append(f"[platforms.{name}]")
+            lines.append(f'base_url = "{p.base_url}"')
+            lines.append(f"regions = {json.dumps(list(REGIONS))}")
+            for key, value in overrides.items():
+                lines.append(f"{key} = {json.dumps(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def demo_profiles(stores_per_platform: int = 100, seed: int = 7) -> list[PlatformProfile]:
+    """Three platforms for `tq demo`: one healthy, one a little flaky, one with outages."""
+    return [
+        PlatformProfile(
+            "dutchie",
+            stores=stores_per_platform,
+            latency_ms=60,
+            rate_429=0.02,
+            seed=seed,
+            gone_share=0.02,
+            change_seconds=120,
+        ),
+        PlatformProfile(
+            "jane",
+            stores=stores_per_platform,
+            latency_ms=120,
+            rate_500=0.04,
+            rate_timeout=0.01,
+            seed=seed,
+            gone_share=0.02,
+            change_seconds=180,
+        ),
+        PlatformProfile(
+            "treez",
+            stores=stores_per_platform,
+            latency_ms=90,
+            rate_429=0.01,
+            rate_500=0.02,
+            seed=seed,
+            change_seconds=240,
+            outage_every_seconds=900,
+            outage_seconds=180,
+        ),
+    ]
