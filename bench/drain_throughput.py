@@ -107,6 +107,8 @@ def start_dagster(
         "TQ_DATABASE_URL": queue_url,
         "TQ_DAGSTER_PG_URL": sqlalchemy_url(dagster_url),
         "TQ_ROLE_CAPS": f"{ROLE}={runs}",
+        # The queue's overhead is measured here, not the crawl's (bench/crawl_throughput.py).
+        "TQ_HANDLERS": f"{ROLE}=tq_pipelines.handlers:noop",
     }
     log = open(home / "dagster-dev.log", "wb")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(

@@ -61,21 +61,9 @@ VALUES (
 RETURNING id;
 
 -- name: enqueue_task_once
--- The task, unless one of the same role for the same store (and payload) is pending or active:
--- for periodic enqueuers and handlers that may run twice. Returns no row when one was there.
-INSERT INTO worker_tasks (role, dispensary_id, platform, priority, scheduled_for, payload)
-SELECT
-  %(role)s::VARCHAR, %(dispensary_id)s::INTEGER, %(platform)s::VARCHAR, %(priority)s::INTEGER,
-  %(scheduled_for)s::TIMESTAMPTZ, coalesce(%(payload)s::JSONB, '{}')
-WHERE NOT EXISTS (
-  SELECT 1
-  FROM worker_tasks t
-  WHERE t.role = %(role)s
-    AND t.dispensary_id IS NOT DISTINCT FROM %(dispensary_id)s::INTEGER
-    AND t.payload = coalesce(%(payload)s::JSONB, '{}')
-    AND t.status IN ('pending', 'claimed', 'running')
-)
-RETURNING id;
+SELECT enqueue_task_once(
+  %(role)s, %(dispensary_id)s, %(platform)s, %(priority)s, %(scheduled_for)s, %(payload)s::JSONB
+) AS id;
 
 -- name: get_task
 SELECT * FROM worker_tasks WHERE id = %(task_id)s;

@@ -347,6 +347,37 @@ $$;
 
 
 --
+-- Name: enqueue_task_once(character varying, integer, character varying, integer, timestamp with time zone, jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.enqueue_task_once(p_role character varying, p_dispensary_id integer DEFAULT NULL::integer, p_platform character varying DEFAULT NULL::character varying, p_priority integer DEFAULT 0, p_scheduled_for timestamp with time zone DEFAULT NULL::timestamp with time zone, p_payload jsonb DEFAULT '{}'::jsonb) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_id INTEGER;
+BEGIN
+  p_payload := coalesce(p_payload, '{}');
+  PERFORM pg_advisory_xact_lock(
+    hashtext('tq:enqueue_once:' || p_role || ':' || coalesce(p_dispensary_id::TEXT, '-')));
+  IF EXISTS (
+    SELECT 1
+    FROM worker_tasks t
+    WHERE t.role = p_role
+      AND (t.dispensary_id = p_dispensary_id OR (p_dispensary_id IS NULL AND t.dispensary_id IS NULL))
+      AND t.payload = p_payload
+      AND t.status IN ('pending', 'claimed', 'running')
+  ) THEN
+    RETURN NULL;
+  END IF;
+  INSERT INTO worker_tasks (role, dispensary_id, platform, priority, scheduled_for, payload)
+  VALUES (p_role, p_dispensary_id, p_platform, coalesce(p_priority, 0), p_scheduled_for, p_payload)
+  RETURNING id INTO v_id;
+  RETURN v_id;
+END;
+$$;
+
+
+--
 -- Name: fail_task(integer, character varying, text, boolean, interval); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -422,16 +453,33 @@ BEGIN
     RAISE EXCEPTION 'platforms must name at least one platform' USING ERRCODE = '22023';
   END IF;
 
-  WITH stores AS (
+  WITH eligible AS (
     SELECT
       d.id,
       d.menu_type,
-      row_number() OVER (ORDER BY d.id) - 1 AS n,
-      count(*) OVER () AS total
+      -- The store's place within its platform: the round-robin key.
+      row_number() OVER (PARTITION BY d.menu_type ORDER BY d.id) AS turn
     FROM dispensaries d
     WHERE d.crawl_enabled
       AND d.menu_type = ANY (p_platforms)
       AND d.platform_dispensary_id IS NOT NULL
+  ),
+  ordered AS (
+    SELECT
+      e.id,
+      e.menu_type,
+      row_number() OVER (ORDER BY e.turn, e.menu_type, e.id) - 1 AS n,
+      count(*) OVER () AS total
+    FROM eligible e
+  ),
+  stores AS (
+    SELECT
+      o.id,
+      o.menu_type,
+      o.n,
+      o.n * p_batches_per_day / o.total AS batch,
+      row_number() OVER (PARTITION BY o.n * p_batches_per_day / o.total ORDER BY o.n) - 1 AS place
+    FROM ordered o
   )
   INSERT INTO worker_tasks (role, dispensary_id, platform, scheduled_for, priority, resync_date)
   SELECT
@@ -439,11 +487,12 @@ BEGIN
     s.id,
     s.menu_type,
     (p_date::TIMESTAMP AT TIME ZONE 'UTC')
-      + (s.n * p_batches_per_day / s.total) * (INTERVAL '24 hours' / p_batches_per_day),
+      + s.batch * (INTERVAL '24 hours' / p_batches_per_day)
+      + s.place * INTERVAL '1 millisecond',
     0,
     p_date
   FROM stores s
-  ORDER BY s.id
+  ORDER BY s.n
   ON CONFLICT (role, dispensary_id, resync_date) WHERE resync_date IS NOT NULL DO NOTHING;
   GET DIAGNOSTICS v_created = ROW_COUNT;
   RETURN v_created;

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -209,14 +210,14 @@ class TaskQueue:
             "worker_id": worker_id,
             "error": error,
             "retryable": retryable,
-            "retry_after": None if retry_after is None else timedelta(seconds=retry_after),
+            "retry_after": None if retry_after is None else _interval(retry_after),
         }
         status: Status | None = self._one("fail_task", params)["status"]
         return status
 
     def defer(self, task_id: int, worker_id: str, delay_seconds: float) -> bool:
         """Give a task back untried, due again in ``delay_seconds``, without spending a retry."""
-        params = {"task_id": task_id, "worker_id": worker_id, "delay": timedelta(seconds=delay_seconds)}
+        params = {"task_id": task_id, "worker_id": worker_id, "delay": _interval(delay_seconds)}
         return bool(self._one("defer_task", params)["ok"])
 
     def cancel(self, task_id: int) -> bool:
@@ -302,9 +303,8 @@ class TaskQueue:
             "scheduled_for": scheduled_for,
             "payload": _jsonb(payload),
         }
-        with self._cursor() as cur:
-            row = cur.execute(query("enqueue_task_once"), params).fetchone()
-        return None if row is None else int(row["id"])
+        new_id = self._one("enqueue_task_once", params)["id"]
+        return None if new_id is None else int(new_id)
 
     def get(self, task_id: int) -> Task | None:
         with self._cursor(task_row) as cur:
@@ -341,6 +341,14 @@ class TaskQueue:
 
 
 _FLOAT_COLUMNS = ("avg_duration_sec", "tasks_per_worker_hour", "estimated_hours_to_drain")
+
+
+def _interval(seconds: float) -> timedelta:
+    """Seconds as an interval; the SQL caps delays at a day, so anything longer (even inf) is a
+    day here too, rather than an overflow."""
+    if math.isnan(seconds):
+        raise QueueInputError("a delay must be a number of seconds, got NaN")
+    return timedelta(seconds=min(max(seconds, 0.0), 86_400.0))
 
 
 def _jsonb(value: JSON) -> Jsonb | None:

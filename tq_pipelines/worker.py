@@ -209,23 +209,25 @@ class Worker:
         running: dict[Future[_Outcome], TaskContext] = {}
         # After a short claim, wait for a handler to finish before asking again.
         short = False
+        # With a pool, claim again once a quarter of the threads are free, not at every finished
+        # task: one claim and one completion write per few tasks instead of per task.
+        refill_at = max(1, self.concurrency // 4)
         try:
             while True:
                 budget_left = (
                     self.time_budget_seconds is None or time.monotonic() - started < self.time_budget_seconds
                 )
+                free = self.concurrency - len(running)
                 claimed: list[Task] = []
                 if (
                     budget_left
                     and not self._stop.is_set()
-                    and len(running) < self.concurrency
+                    and free >= (refill_at if running else 1)
                     and not (short and running)
                 ):
                     # With a pool, only as many as there are free threads: a task counts as
                     # running from its claim, so it must not wait in the pool's queue.
-                    want = min(
-                        self.batch_size if pool is None else self.concurrency - len(running), self.batch_size
-                    )
+                    want = min(self.batch_size if pool is None else free, self.batch_size)
                     claimed = self._claim(want)
                     short = len(claimed) < want
                 if claimed:
@@ -237,6 +239,8 @@ class Worker:
                 elif running:
                     done, _ = wait(running, timeout=self.heartbeat_seconds, return_when=FIRST_COMPLETED)
                     short = short and not done
+                    # Whatever else finished meanwhile is recorded in the same write.
+                    done = {f for f in running if f.done()}
                     outcomes = [f.result() for f in done]
                     for f in done:
                         del running[f]

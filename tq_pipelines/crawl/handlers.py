@@ -95,7 +95,7 @@ def entry_point_discovery(task: Task, ctx: TaskContext) -> JSON:
                 "menu_url": entry.menu_url,
             },
         )
-        queued = cur.execute(
+        row = cur.execute(
             query("enqueue_task_once"),
             {
                 "role": "product_discovery",
@@ -109,7 +109,7 @@ def entry_point_discovery(task: Task, ctx: TaskContext) -> JSON:
     return {
         "platform_id": entry.platform_id,
         "menu_url": entry.menu_url,
-        "queued_discovery": queued is not None,
+        "queued_discovery": row is not None and row["id"] is not None,
     }
 
 

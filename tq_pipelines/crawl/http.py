@@ -66,18 +66,22 @@ def host_key(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+# The queue caps a retry's delay at a day; a longer Retry-After is taken as a day.
+MAX_RETRY_AFTER_SECONDS = 86_400.0
+
+
 def retry_after_seconds(value: str | None) -> float | None:
-    """Retry-After as seconds: either delta-seconds or an HTTP date."""
+    """Retry-After as seconds (delta-seconds or an HTTP date), at most a day; None if unreadable."""
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
-        return float(value)
+    if value.isascii() and value.isdigit():
+        return min(float(value), MAX_RETRY_AFTER_SECONDS)
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    return max(0.0, when.timestamp() - time.time())
+    return min(max(0.0, when.timestamp() - time.time()), MAX_RETRY_AFTER_SECONDS)
 
 
 class PoliteClient:

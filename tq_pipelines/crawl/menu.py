@@ -13,6 +13,7 @@ from typing import Any, TypedDict
 from tq_pipelines.worker import PermanentTaskError
 
 MAX_PRODUCTS = 20_000
+MAX_PRICE = Decimal("99999999.99")  # numeric(10, 2)
 
 
 class MenuValidationError(PermanentTaskError):
@@ -43,7 +44,7 @@ def _text(value: Any, field: str, *, required: bool) -> str | None:
     return text
 
 
-def _number(value: Any, field: str, *, low: float, high: float, required: bool) -> str | None:
+def _number(value: Any, field: str, *, low: Decimal, high: Decimal, required: bool) -> str | None:
     if value is None:
         if required:
             raise ValueError(f"{field} is missing")
@@ -55,8 +56,9 @@ def _number(value: Any, field: str, *, low: float, high: float, required: bool) 
     except ArithmeticError:
         raise ValueError(f"{field} is not a number: {value!r}") from None
     if not number.is_finite() or not low <= number <= high:
-        raise ValueError(f"{field} must be between {low:g} and {high:g}, got {value!r}")
-    return str(number.quantize(Decimal("0.01"), rounding=ROUND_HALF_UP))
+        raise ValueError(f"{field} must be between {low} and {high}, got {value!r}")
+    # "-0" and "0" are the same price and must hash the same.
+    return str(number.quantize(Decimal("0.01"), rounding=ROUND_HALF_UP) + Decimal("0.00"))
 
 
 def normalise_product(raw: Any) -> Product:
@@ -71,9 +73,9 @@ def normalise_product(raw: Any) -> Product:
         name=_text(raw.get("name"), "name", required=True) or "",
         brand=_text(raw.get("brand"), "brand", required=False),
         category=(category or "").lower(),
-        price=_number(raw.get("price"), "price", low=0, high=99_999_999.99, required=True) or "0.00",
-        thc=_number(raw.get("thc"), "thc", low=0, high=100, required=False),
-        cbd=_number(raw.get("cbd"), "cbd", low=0, high=100, required=False),
+        price=_number(raw.get("price"), "price", low=Decimal(0), high=MAX_PRICE, required=True) or "0.00",
+        thc=_number(raw.get("thc"), "thc", low=Decimal(0), high=Decimal(100), required=False),
+        cbd=_number(raw.get("cbd"), "cbd", low=Decimal(0), high=Decimal(100), required=False),
         in_stock=in_stock,
     )
 

@@ -57,7 +57,9 @@ class PlatformSettings(BaseModel):
 def load_platform_settings(path: str | Path) -> dict[str, PlatformSettings]:
     """The platforms of a TOML file; raises :class:`PlatformSettingsError` naming the bad key."""
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise PlatformSettingsError(f"platforms file {path} is not UTF-8 text: {exc}") from exc
     except OSError as exc:
         raise PlatformSettingsError(f"cannot read platforms file {path}: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
@@ -171,7 +173,7 @@ def adapter_factory(spec: str) -> AdapterFactory:
     module, _, name = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as exc:
+    except Exception as exc:  # whatever importing a deployment's module raises
         raise PlatformSettingsError(f"adapter {spec!r} cannot be loaded: {exc}") from exc
     if not callable(factory):
         raise PlatformSettingsError(f"adapter {spec!r} is not callable")

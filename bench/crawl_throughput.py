@@ -1,0 +1,253 @@
+"""Crawl throughput: stores resynced per second against the bound the politeness limits allow.
+
+    python bench/crawl_throughput.py [--url URL] [--stores 2000] [--platforms 2] [--latency-ms 100]
+                                     [--in-flight 8] [--changed-versions 1]
+
+In one run, on one database server, with the menu simulator in a process of its own (fixed
+latency, no faults):
+1. ``--stores`` stores, spread over ``--platforms`` platforms, are resolved and crawled once
+   (product_discovery, through a real drain run): the first crawl, every product new;
+2. the simulator restarts ``--changed-versions`` menu versions later, so that some menus changed;
+3. the day's resync is generated and drained by one drain run (``drain_tasks_job`` in process,
+   the same op the sensor launches), its concurrency sized by the op (twice the in-flight slots);
+4. the bound: a probe measures one request's latency on the same simulator (median of 50), and
+   the bound is (in-flight per host x platforms) / that latency, in stores/s.
+Figures: stores/s from first claim to last completion (from worker_tasks), and its ratio to the
+bound; the server's highest in-flight count per host shows the limit was held, not exceeded.
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import httpx
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.queue_throughput import recreate_db  # noqa: E402
+from tq_pipelines.crawl.simulator import PlatformProfile, Simulator  # noqa: E402
+from tq_pipelines.db.migrate import migrate  # noqa: E402
+from tq_pipelines.jobs import drain_tasks_job  # noqa: E402
+from tq_pipelines.queue import TaskQueue  # noqa: E402
+from tq_pipelines.resources import CrawlResource, QueueResource  # noqa: E402
+
+NAMES = ("dutchie", "jane", "treez", "weedmaps", "leafly", "meadow")
+CHANGE_SECONDS = 600.0
+
+
+def _serve(profiles: list[PlatformProfile], offset: float, conn: Any) -> None:
+    """The simulator process: serves until told to stop, then sends back its counters."""
+    simulator = Simulator(profiles)
+    for p in simulator.platforms.values():
+        p.started_at -= offset
+    simulator.start()
+    conn.send({n: p.base_url for n, p in simulator.platforms.items()})
+    conn.recv()  # stop
+    stats = {
+        n: {"requests": p.stats.requests, "max_in_flight": p.stats.max_in_flight}
+        for n, p in simulator.platforms.items()
+    }
+    simulator.stop()
+    conn.send(stats)
+
+
+class SimulatorProcess:
+    def __init__(self, profiles: list[PlatformProfile], offset: float) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(profiles, offset, child), daemon=True)
+        self.process.start()
+        self.urls: dict[str, str] = self.conn.recv()
+
+    def stop(self) -> dict[str, dict[str, int]]:
+        self.conn.send("stop")
+        stats: dict[str, dict[str, int]] = self.conn.recv()
+        self.process.join(10)
+        return stats
+
+
+def platforms_file(folder: Path, urls: dict[str, str], in_flight: int) -> Path:
+    path = folder / "platforms.toml"
+    path.write_text(
+        "".join(
+            f'[platforms.{n}]\nbase_url = "{u}"\nmax_in_flight = {in_flight}\n'
+            "requests_per_second = 10000\ntimeout_seconds = 30\nslot_wait_seconds = 30\n\n"
+            for n, u in urls.items()
+        )
+    )
+    return path
+
+
+def load_stores(url: str, profiles: list[PlatformProfile]) -> int:
+    """The simulator's stores, resolved (platform id known), as entry_point_discovery leaves them."""
+    rows = []
+    for profile in profiles:
+        sim = Simulator([profile]).platforms[profile.name]
+        rows += [(s.name, profile.name, s.platform_id, s.directory_id) for s in sim.stores.values()]
+    with psycopg.connect(url, autocommit=True) as conn, conn.cursor() as cur:
+        cur.execute("TRUNCATE worker_tasks, worker_task_heads, worker_task_stores, worker_registry CASCADE")
+        cur.execute("DELETE FROM dispensaries")
+        cur.executemany(
+            """
+            WITH d AS (
+              INSERT INTO dispensaries (name, menu_type, platform_dispensary_id)
+              VALUES (%s, %s, %s) RETURNING id, menu_type
+            )
+            INSERT INTO store_crawl_state (dispensary_id, platform, directory_id, resolved_at)
+            SELECT id, menu_type, %s, now() FROM d
+            """,
+            rows,
+        )
+        cur.execute("VACUUM ANALYZE dispensaries")
+    return len(rows)
+
+
+def drain(url: str, role: str, path: Path, pool: int) -> dict[str, Any]:
+    result = drain_tasks_job.execute_in_process(
+        run_config={"ops": {"drain_role_tasks": {"config": {"role": role, "time_budget_seconds": 3600}}}},
+        resources={
+            "tq": QueueResource(database_url=url, pool_max_size=pool),
+            "crawl": CrawlResource(platforms_file=str(path)),
+        },
+        instance=dg.DagsterInstance.ephemeral(),
+    )
+    [event] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_OUTPUT]
+    return {k: v.value for k, v in event.step_output_data.metadata.items()}
+
+
+def rate(url: str, role: str) -> tuple[int, float]:
+    with psycopg.connect(url) as conn:
+        n, seconds = conn.execute(
+            "SELECT count(*), extract(EPOCH FROM max(completed_at) - min(claimed_at)) FROM worker_tasks"
+            " WHERE status = 'completed' AND role = %s",
+            (role,),
+        ).fetchone()  # type: ignore[misc]
+    return n, n / float(seconds) if seconds else 0.0
+
+
+def probe_latency(urls: dict[str, str], url: str) -> float:
+    """Median seconds of one menu GET on a warm connection, store by store."""
+    with psycopg.connect(url) as conn:
+        stores = conn.execute(
+            "SELECT menu_type, platform_dispensary_id FROM dispensaries ORDER BY id LIMIT 50"
+        ).fetchall()
+    times = []
+    with httpx.Client() as client:
+        for platform, pid in stores:
+            began = time.perf_counter()
+            client.get(f"{urls[platform]}/menus/{pid}").raise_for_status()
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def history_rows(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        return conn.execute("SELECT count(*) FROM product_history").fetchone()[0]  # type: ignore[index]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--url", default=os.environ.get("TQ_BENCH_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    )
+    parser.add_argument("--stores", type=int, default=2000)
+    parser.add_argument("--platforms", type=int, default=2, choices=range(1, len(NAMES) + 1))
+    parser.add_argument("--latency-ms", type=float, default=100.0)
+    parser.add_argument("--in-flight", type=int, default=8, help="max_in_flight per platform host")
+    parser.add_argument("--changed-versions", type=int, default=1, help="menu versions between crawls")
+    parser.add_argument("--pool", type=int, default=16, help="queue connection pool of the drain run")
+    args = parser.parse_args()
+
+    per = args.stores // args.platforms
+    profiles = [
+        PlatformProfile(
+            NAMES[i],
+            stores=per,
+            latency_ms=args.latency_ms,
+            jitter=0.0,
+            seed=11,
+            change_seconds=CHANGE_SECONDS,
+        )
+        for i in range(args.platforms)
+    ]
+    url = recreate_db(args.url, "tq_bench_crawl")
+    migrate(url)
+    stores = load_stores(url, profiles)
+    folder = Path(tempfile.mkdtemp(prefix="tq-crawl-bench-"))
+
+    # 1. First crawl.
+    sim = SimulatorProcess(profiles, offset=0)
+    with psycopg.connect(url, autocommit=True) as conn:
+        # Platforms in turn, as generate_resync_tasks orders a batch.
+        conn.execute(
+            "INSERT INTO worker_tasks (role, dispensary_id, platform)"
+            " SELECT 'product_discovery', id, menu_type FROM dispensaries"
+            " ORDER BY row_number() OVER (PARTITION BY menu_type ORDER BY id), menu_type, id"
+        )
+    first = drain(url, "product_discovery", platforms_file(folder, sim.urls, args.in_flight), args.pool)
+    first_n, first_rate = rate(url, "product_discovery")
+    first_stats = sim.stop()
+    new_history = history_rows(url)
+
+    # 2-3. Menus moved on; the day's resync.
+    sim = SimulatorProcess(profiles, offset=CHANGE_SECONDS * args.changed_versions)
+    with TaskQueue.connect(url) as queue:
+        generated = queue.generate_resync(
+            day=datetime.now(UTC).date(), batches_per_day=1, platforms=[p.name for p in profiles]
+        )
+    resync = drain(url, "product_resync", platforms_file(folder, sim.urls, args.in_flight), args.pool)
+    resync_n, resync_rate = rate(url, "product_resync")
+    with psycopg.connect(url) as conn:
+        changed_menus = conn.execute(
+            "SELECT count(*) FILTER (WHERE NOT (result->>'unchanged')::boolean) FROM worker_tasks"
+            " WHERE role = 'product_resync' AND status = 'completed'"
+        ).fetchone()[0]  # type: ignore[index]
+    # 4. The bound, on the same simulator.
+    latency = probe_latency(sim.urls, url)
+    resync_stats = sim.stop()
+    bound = args.in_flight * args.platforms / latency
+
+    report = {
+        "stores": stores,
+        "platforms": args.platforms,
+        "in_flight_per_host": args.in_flight,
+        "latency_ms_configured": args.latency_ms,
+        "latency_ms_measured": round(latency * 1000, 1),
+        "bound_stores_per_s": round(bound, 1),
+        "first_crawl": {
+            "completed": first_n,
+            "stores_per_s": round(first_rate, 1),
+            "ratio": round(first_rate / bound, 2),
+            "history_rows": new_history,
+            "run": {k: first[k] for k in ("completed", "failed", "retried", "deferred", "concurrency")},
+            "server_max_in_flight": {n: s["max_in_flight"] for n, s in first_stats.items()},
+        },
+        "resync": {
+            "generated": generated,
+            "completed": resync_n,
+            "changed_menus": changed_menus,
+            "stores_per_s": round(resync_rate, 1),
+            "ratio": round(resync_rate / bound, 2),
+            "history_rows_added": history_rows(url) - new_history,
+            "run": {k: resync[k] for k in ("completed", "failed", "retried", "deferred", "concurrency")},
+            "server_max_in_flight": {n: s["max_in_flight"] for n, s in resync_stats.items()},
+        },
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,874 @@
+"""The crawl's SQL (migration 0004 and its named queries), on a migrated database: task payloads,
+enqueue_once, listing upserts, menu storage with history, analytics, Retry-After and deferral,
+and the per-platform error counts."""
+
+import threading
+import time
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from tests.helpers import add_stores, assert_store_state_consistent
+from tq_pipelines.crawl.menu import menu_hash, normalise_menu
+from tq_pipelines.db.queries import query
+from tq_pipelines.queue import TaskQueue
+
+ROLE = "product_resync"
+LOOSE = "store_discovery"  # tasks without a store
+
+
+def ts(value: str) -> datetime:
+    """A timestamp from to_jsonb's text."""
+    return datetime.fromisoformat(value)
+
+
+def db_now(conn: psycopg.Connection) -> datetime:
+    return conn.execute("SELECT now()").fetchone()[0]
+
+
+def row(conn: psycopg.Connection, table: str, where: str, *args: Any) -> dict[str, Any] | None:
+    """One row as JSON (every column), for before/after comparisons."""
+    found = conn.execute(f"SELECT to_jsonb(t) FROM {table} t WHERE {where}", args).fetchone()
+    return None if found is None else found[0]
+
+
+def insert_task(
+    conn: psycopg.Connection, role: str = ROLE, dispensary_id: int | None = None, **cols: Any
+) -> int:
+    cols = {"role": role, "dispensary_id": dispensary_id, **cols}
+    names = ", ".join(cols)
+    marks = ", ".join(f"%({c})s" for c in cols)
+    (task_id,) = conn.execute(
+        f"INSERT INTO worker_tasks ({names}) VALUES ({marks}) RETURNING id", cols
+    ).fetchone()
+    return task_id
+
+
+def set_task_times(conn: psycopg.Connection, task_id: int, **times: timedelta) -> None:
+    """Move a task's timestamps back (``completed_at=timedelta(hours=3)``: three hours ago). The
+    updated_at trigger would overwrite updated_at, so it is off for the one statement."""
+    sets = ", ".join(f"{c} = now() - %({c})s" for c in times)
+    conn.execute("ALTER TABLE worker_tasks DISABLE TRIGGER worker_tasks_updated_at")
+    try:
+        conn.execute(f"UPDATE worker_tasks SET {sets} WHERE id = %(id)s", {"id": task_id, **times})
+    finally:
+        conn.execute("ALTER TABLE worker_tasks ENABLE TRIGGER worker_tasks_updated_at")
+
+
+# ------------------------------------------------------------------------------------------------
+# worker_tasks.payload
+# ------------------------------------------------------------------------------------------------
+
+
+def test_payload_defaults_to_an_empty_object_for_inserts_that_name_none(conn: psycopg.Connection):
+    (store,) = add_stores(conn, 1)
+    task_id = insert_task(conn, ROLE, store, platform="dutchie")
+    (loose,) = conn.execute(
+        "INSERT INTO worker_tasks (role) VALUES ('analytics_refresh') RETURNING id"
+    ).fetchone()
+    got = conn.execute("SELECT id, payload FROM worker_tasks ORDER BY id").fetchall()
+    assert got == [(task_id, {}), (loose, {})]
+
+
+def test_payload_must_be_an_object(conn: psycopg.Connection):
+    task_id = insert_task(conn, "analytics_refresh")
+    for bad in ("[1]", '"text"', "1", "null", "true"):
+        with pytest.raises(psycopg.errors.CheckViolation) as info:
+            conn.execute(
+                "INSERT INTO worker_tasks (role, payload) VALUES ('analytics_refresh', %s::jsonb)", (bad,)
+            )
+        assert info.value.diag.constraint_name == "payload_is_object"
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute("UPDATE worker_tasks SET payload = %s::jsonb WHERE id = %s", (bad, task_id))
+    assert conn.execute("SELECT payload FROM worker_tasks").fetchall() == [({},)]
+
+
+def test_enqueue_payload_round_trips_to_the_claimed_task(conn: psycopg.Connection, queue: TaskQueue):
+    payload = {"platform": "dutchie", "region": "north", "nested": {"n": [1, 2.5, None, True]}, "ü": "✓"}
+    task_id = queue.enqueue(LOOSE, platform="dutchie", payload=payload)
+    plain = queue.enqueue("analytics_refresh")
+    claimed = queue.claim(LOOSE, "w")
+    assert claimed is not None and claimed.id == task_id
+    assert claimed.payload == payload
+    assert claimed.platform == "dutchie"
+    assert queue.get(plain).payload == {}
+
+
+# ------------------------------------------------------------------------------------------------
+# enqueue_once
+# ------------------------------------------------------------------------------------------------
+
+
+def test_enqueue_once_dedupes_pending_and_active_tasks_of_a_store(conn: psycopg.Connection, queue: TaskQueue):
+    a, b = add_stores(conn, 2)
+    first = queue.enqueue_once(ROLE, a, payload={"day": 1, "kind": "x"})
+    assert first is not None
+    # Pending: same role, store and payload (key order does not matter) -> nothing.
+    assert queue.enqueue_once(ROLE, a, payload={"kind": "x", "day": 1}) is None
+    # Any of them different -> a task.
+    other_payload = queue.enqueue_once(ROLE, a, payload={"day": 2, "kind": "x"})
+    other_role = queue.enqueue_once("product_discovery", a, payload={"day": 1, "kind": "x"})
+    other_store = queue.enqueue_once(ROLE, b, payload={"day": 1, "kind": "x"})
+    no_payload = queue.enqueue_once(ROLE, a)
+    created = [first, other_payload, other_role, other_store, no_payload]
+    assert None not in created and len(set(created)) == 5
+    assert queue.enqueue_once(ROLE, a, payload={}) is None  # no payload is {}
+
+    claimed = queue.claim(ROLE, "w")
+    assert claimed is not None and claimed.id == first
+    assert queue.enqueue_once(ROLE, a, payload={"day": 1, "kind": "x"}) is None  # claimed
+    assert queue.start(first, "w")
+    assert queue.enqueue_once(ROLE, a, payload={"day": 1, "kind": "x"}) is None  # running
+    assert queue.complete(first, "w", {"ok": True})
+    again = queue.enqueue_once(ROLE, a, payload={"day": 1, "kind": "x"})
+    assert again is not None and again not in created
+    got = queue.get(again)
+    assert (got.status, got.role, got.dispensary_id, got.payload) == (
+        "pending",
+        ROLE,
+        a,
+        {"day": 1, "kind": "x"},
+    )
+    counted = conn.execute(
+        "SELECT count(*) FROM worker_tasks WHERE role = %s AND dispensary_id = %s AND payload = %s",
+        (ROLE, a, Jsonb({"day": 1, "kind": "x"})),
+    ).fetchone()
+    assert counted == (2,)  # the completed one and the new one
+    assert_store_state_consistent(conn)
+
+
+def test_enqueue_once_creates_again_after_a_task_failed_or_was_cancelled(queue: TaskQueue):
+    first = queue.enqueue_once(LOOSE, payload={"platform": "p"})
+    assert first is not None
+    assert queue.claim(LOOSE, "w").id == first
+    assert queue.fail(first, "w", "boom", retryable=False) == "failed"
+    second = queue.enqueue_once(LOOSE, payload={"platform": "p"})
+    assert second not in (None, first)
+    assert queue.cancel(second)
+    assert queue.enqueue_once(LOOSE, payload={"platform": "p"}) not in (None, first, second)
+
+
+def test_enqueue_once_dedupes_loose_tasks(queue: TaskQueue):
+    north = queue.enqueue_once(LOOSE, platform="dutchie", payload={"platform": "dutchie", "region": "north"})
+    assert north is not None
+    assert (
+        queue.enqueue_once(LOOSE, platform="dutchie", payload={"platform": "dutchie", "region": "north"})
+        is None
+    )
+    south = queue.enqueue_once(LOOSE, platform="dutchie", payload={"platform": "dutchie", "region": "south"})
+    assert south not in (None, north)
+    refresh = queue.enqueue_once("analytics_refresh")
+    assert refresh is not None
+    assert queue.enqueue_once("analytics_refresh") is None
+    assert queue.get(north).dispensary_id is None
+
+
+def test_enqueue_once_holds_between_concurrent_callers(db_url: str, conn: psycopg.Connection):
+    params = {
+        "role": LOOSE,
+        "dispensary_id": None,
+        "platform": "dutchie",
+        "priority": 0,
+        "scheduled_for": None,
+        "payload": Jsonb({"platform": "dutchie"}),
+    }
+    result: dict[str, Any] = {}
+
+    def other() -> None:
+        try:
+            with psycopg.connect(db_url, autocommit=True) as b:
+                b.execute("SET statement_timeout = '10s'")
+                result["row"] = b.execute(query("enqueue_task_once"), params).fetchone()
+        except Exception as exc:  # reported by the main thread
+            result["error"] = exc
+
+    with psycopg.connect(db_url) as a:
+        first = a.execute(query("enqueue_task_once"), params).fetchone()
+        assert first is not None and first[0] is not None  # not committed yet
+        thread = threading.Thread(target=other)
+        thread.start()
+        # The second caller either finishes at once or waits for the first: let it get that far.
+        deadline = time.monotonic() + 5
+        while thread.is_alive() and time.monotonic() < deadline and not sessions_waiting_for_locks(conn):
+            time.sleep(0.01)
+        a.commit()
+    thread.join(15)
+    assert not thread.is_alive() and "error" not in result, result
+    pending = conn.execute("SELECT count(*) FROM worker_tasks WHERE role = %s", (LOOSE,)).fetchone()
+    assert pending == (1,)
+    assert result["row"] == (None,)
+
+
+def sessions_waiting_for_locks(conn: psycopg.Connection) -> int:
+    return conn.execute(
+        """
+        SELECT count(*) FROM pg_stat_activity
+        WHERE datname = current_database() AND wait_event_type = 'Lock'
+        """
+    ).fetchone()[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# upsert_listed_stores
+# ------------------------------------------------------------------------------------------------
+
+UPSERT = "SELECT dispensary_id, directory_id, created FROM upsert_listed_stores(%s, %s) ORDER BY directory_id"
+
+
+def listing(ids: Any, region: str | None = "north") -> list[dict[str, Any]]:
+    return [{"id": f"s{i:03d}", "name": f"Store {i}", "region": region} for i in ids]
+
+
+def upsert(conn: psycopg.Connection, platform: str | None, stores: list[dict[str, Any]]) -> list[tuple]:
+    return conn.execute(UPSERT, (platform, Jsonb(stores))).fetchall()
+
+
+def crawl_state(conn: psycopg.Connection, dispensary_id: int) -> dict[str, Any]:
+    state = row(conn, "store_crawl_state", "dispensary_id = %s", dispensary_id)
+    assert state is not None
+    return state
+
+
+def test_upsert_listed_stores_creates_new_stores_with_state_and_one_entry_point_task(
+    conn: psycopg.Connection,
+):
+    stores = [*listing([1, 2]), {"id": "s003", "name": "", "region": None}, {"id": "s004"}]
+    rows = upsert(conn, "dutchie", stores)
+    assert [(d, c) for _, d, c in rows] == [("s001", True), ("s002", True), ("s003", True), ("s004", True)]
+    ids = [i for i, _, _ in rows]
+    assert len(set(ids)) == 4
+    dispensaries = conn.execute(
+        "SELECT id, name, menu_type, crawl_enabled, platform_dispensary_id FROM dispensaries ORDER BY id"
+    ).fetchall()
+    names = ["Store 1", "Store 2", "s003", "s004"]  # no name: the directory id
+    assert dispensaries == [(i, n, "dutchie", True, None) for i, n in zip(ids, names, strict=True)]
+    states = conn.execute(
+        """
+        SELECT dispensary_id, platform, directory_id, region, first_listed_at = last_listed_at,
+               first_listed_at IS NOT NULL, menu_hash, gone_at
+        FROM store_crawl_state ORDER BY dispensary_id
+        """
+    ).fetchall()
+    assert states == [
+        (i, "dutchie", d, r, True, True, None, None)
+        for i, d, r in zip(ids, ["s001", "s002", "s003", "s004"], ["north", "north", None, None], strict=True)
+    ]
+    tasks = conn.execute(
+        "SELECT role, dispensary_id, platform, status, payload FROM worker_tasks ORDER BY id"
+    ).fetchall()
+    assert sorted(tasks, key=lambda t: t[1]) == [
+        ("entry_point_discovery", i, "dutchie", "pending", {}) for i in ids
+    ]
+    assert_store_state_consistent(conn)
+
+
+def test_upsert_listed_stores_again_creates_nothing_and_marks_the_stores_listed(conn: psycopg.Connection):
+    first = upsert(conn, "dutchie", listing([1, 2, 3]))
+    before = {i: crawl_state(conn, i) for i, _, _ in first}
+    counts = conn.execute(
+        "SELECT (SELECT count(*) FROM dispensaries), (SELECT count(*) FROM worker_tasks)"
+    ).fetchone()
+    # s002 listed without a region keeps its region; s003 moves to another one.
+    again_listing = [*listing([1]), {"id": "s002", "name": "Store 2"}, *listing([3], region="south")]
+    again = upsert(conn, "dutchie", again_listing)
+    assert [(i, d, c) for i, d, c in again] == [(i, d, False) for i, d, _ in first]
+    assert (
+        conn.execute(
+            "SELECT (SELECT count(*) FROM dispensaries), (SELECT count(*) FROM worker_tasks)"
+        ).fetchone()
+        == counts
+    )
+    for i, d, _ in first:
+        after = crawl_state(conn, i)
+        assert after["first_listed_at"] == before[i]["first_listed_at"]
+        assert ts(after["last_listed_at"]) > ts(before[i]["last_listed_at"])
+        assert after["region"] == ("south" if d == "s003" else "north")
+
+
+def test_upsert_listed_stores_collapses_duplicates_and_keeps_platforms_apart(conn: psycopg.Connection):
+    rows = upsert(conn, "dutchie", [*listing([1]), *listing([2]), *listing([1]), *listing([2])])
+    assert [(d, c) for _, d, c in rows] == [("s001", True), ("s002", True)]
+    other = upsert(conn, "jane", listing([1]))
+    assert other[0][2] is True and other[0][0] not in {i for i, _, _ in rows}  # same id, other platform
+    assert conn.execute("SELECT menu_type, count(*) FROM dispensaries GROUP BY 1 ORDER BY 1").fetchall() == [
+        ("dutchie", 2),
+        ("jane", 1),
+    ]
+    assert conn.execute("SELECT count(*) FROM worker_tasks").fetchone() == (3,)
+    assert upsert(conn, "dutchie", []) == []
+
+
+def test_upsert_listed_stores_re_enables_a_gone_store_but_not_one_disabled_by_hand(conn: psycopg.Connection):
+    (gone, _, _), (manual, _, _) = upsert(conn, "dutchie", listing([1, 2]))
+    conn.execute(query("mark_store_gone"), {"dispensary_id": gone, "platform": "dutchie"})
+    conn.execute("UPDATE dispensaries SET crawl_enabled = false WHERE id = %s", (manual,))
+    assert crawl_state(conn, gone)["gone_at"] is not None
+    assert conn.execute("SELECT id, crawl_enabled FROM dispensaries ORDER BY id").fetchall() == [
+        (gone, False),
+        (manual, False),
+    ]
+
+    rows = upsert(conn, "dutchie", listing([1, 2]))
+    assert [(i, c) for i, _, c in rows] == [(gone, False), (manual, False)]
+    assert conn.execute("SELECT id, crawl_enabled FROM dispensaries ORDER BY id").fetchall() == [
+        (gone, True),
+        (manual, False),
+    ]
+    assert crawl_state(conn, gone)["gone_at"] is None
+    assert crawl_state(conn, manual)["gone_at"] is None
+
+
+def test_upsert_listed_stores_refuses_an_empty_platform(conn: psycopg.Connection):
+    for platform in ("", None):
+        with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+            upsert(conn, platform, listing([1]))
+        assert info.value.sqlstate == "22023"
+        assert "platform must not be empty" in str(info.value)
+    assert conn.execute("SELECT count(*) FROM dispensaries").fetchone() == (0,)
+
+
+def waiting_for_advisory_locks(conn: psycopg.Connection) -> int:
+    return conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+    ).fetchone()[0]
+
+
+def test_concurrent_listings_of_one_platform_create_each_store_once(db_url: str, conn: psycopg.Connection):
+    """The second listing waits for the first (its transaction still open), then finds its stores:
+    no duplicate, no unique violation."""
+    first, second = listing(range(0, 60)), listing(range(30, 90))
+    result: dict[str, Any] = {}
+
+    def other() -> None:
+        try:
+            with psycopg.connect(db_url, autocommit=True) as b:
+                b.execute("SET statement_timeout = '20s'")
+                result["rows"] = upsert(b, "dutchie", second)
+        except Exception as exc:  # reported by the main thread
+            result["error"] = exc
+
+    with psycopg.connect(db_url) as a:
+        rows_a = upsert(a, "dutchie", first)  # not committed yet
+        thread = threading.Thread(target=other)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while waiting_for_advisory_locks(conn) != 1:
+            assert time.monotonic() < deadline, "the second listing never waited for the first"
+            assert thread.is_alive(), result
+            time.sleep(0.01)
+        a.commit()
+    thread.join(20)
+    assert not thread.is_alive()
+    assert "error" not in result, result.get("error")
+    assert sum(c for _, _, c in rows_a) == 60
+    rows_b = result["rows"]
+    assert len(rows_b) == 60
+    assert sorted(d for _, d, c in rows_b if c) == [f"s{i:03d}" for i in range(60, 90)]
+    ids_a = {d: i for i, d, _ in rows_a}
+    assert all(ids_a[d] == i for i, d, _ in rows_b if d in ids_a)
+    assert conn.execute(
+        """
+        SELECT count(*), count(DISTINCT directory_id),
+               (SELECT count(*) FROM dispensaries WHERE menu_type = 'dutchie'),
+               (SELECT count(*) FROM worker_tasks WHERE role = 'entry_point_discovery')
+        FROM store_crawl_state WHERE platform = 'dutchie'
+        """
+    ).fetchone() == (90, 90, 90, 90)
+
+
+def test_concurrent_listings_from_threads_started_together(db_url: str, conn: psycopg.Connection):
+    """Free-for-all: four listings of one platform at once, overlapping; each store once."""
+    barrier = threading.Barrier(4)
+    errors: list[Exception] = []
+
+    def run(start: int) -> None:
+        try:
+            with psycopg.connect(db_url, autocommit=True) as c:
+                c.execute("SET statement_timeout = '20s'")
+                barrier.wait(10)
+                upsert(c, "dutchie", listing(range(start, start + 40)))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n * 20,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert conn.execute(
+        """
+        SELECT count(*), count(DISTINCT directory_id), (SELECT count(*) FROM worker_tasks)
+        FROM store_crawl_state
+        """
+    ).fetchone() == (100, 100, 100)
+
+
+# ------------------------------------------------------------------------------------------------
+# store_menu
+# ------------------------------------------------------------------------------------------------
+
+
+def item(ident: str, price: Any, in_stock: bool = True, **more: Any) -> dict[str, Any]:
+    return {
+        "id": ident,
+        "name": f"Product {ident}",
+        "category": "flower",
+        "price": price,
+        "in_stock": in_stock,
+        **more,
+    }
+
+
+def store_menu(conn: psycopg.Connection, dispensary_id: int, raw: list[dict[str, Any]]) -> dict[str, Any]:
+    products = normalise_menu(raw)
+    params = {"dispensary_id": dispensary_id, "menu_hash": menu_hash(products), "products": Jsonb(products)}
+    with conn.cursor(row_factory=dict_row) as cur:
+        got = cur.execute(query("store_menu"), params).fetchone()
+    assert got is not None
+    return got
+
+
+def counts(result: dict[str, Any]) -> tuple:
+    return (result["unchanged"], result["seen"], result["new"], result["changed"], result["gone"])
+
+
+def history(conn: psycopg.Connection, dispensary_id: int, after_id: int = 0) -> list[tuple]:
+    return conn.execute(
+        """
+        SELECT p.external_id, h.change, h.price, h.old_price, h.in_stock, h.old_in_stock
+        FROM product_history h JOIN products p ON p.id = h.product_id
+        WHERE h.dispensary_id = %s AND h.id > %s
+        ORDER BY p.external_id, h.id
+        """,
+        (dispensary_id, after_id),
+    ).fetchall()
+
+
+def last_history_id(conn: psycopg.Connection) -> int:
+    return conn.execute("SELECT coalesce(max(id), 0) FROM product_history").fetchone()[0]
+
+
+def products_of(conn: psycopg.Connection, dispensary_id: int) -> dict[str, dict[str, Any]]:
+    rows = conn.execute(
+        "SELECT p.external_id, to_jsonb(p) FROM products p WHERE dispensary_id = %s", (dispensary_id,)
+    ).fetchall()
+    return dict(rows)
+
+
+FIRST_MENU = [item("A", "10", True), item("B", 20, True), item("C", "30.00", False), item("E", 5, True)]
+
+
+def test_store_menu_first_menu_is_all_new_with_history(conn: psycopg.Connection):
+    (store,) = add_stores(conn, 1)
+    result = store_menu(conn, store, FIRST_MENU)
+    assert counts(result) == (False, 4, 4, 0, 0)
+    d = Decimal
+    assert history(conn, store) == [
+        ("A", "new", d("10.00"), None, True, None),
+        ("B", "new", d("20.00"), None, True, None),
+        ("C", "new", d("30.00"), None, False, None),
+        ("E", "new", d("5.00"), None, True, None),
+    ]
+    products = products_of(conn, store)
+    assert {k: (v["price"], v["in_stock"], v["gone_at"]) for k, v in products.items()} == {
+        "A": (10.0, True, None),
+        "B": (20.0, True, None),
+        "C": (30.0, False, None),
+        "E": (5.0, True, None),
+    }
+    state = crawl_state(conn, store)
+    assert state["menu_hash"] == menu_hash(normalise_menu(FIRST_MENU))
+    assert state["platform"] == "dutchie"  # from the store's menu_type
+    assert state["last_crawl_at"] is not None and state["last_change_at"] is not None
+
+
+def test_store_menu_with_the_same_hash_writes_nothing_but_the_crawl_time(conn: psycopg.Connection):
+    (store,) = add_stores(conn, 1)
+    store_menu(conn, store, FIRST_MENU)
+    products, rows, state = products_of(conn, store), history(conn, store), crawl_state(conn, store)
+    # Same menu, other order and spelling: the same hash.
+    again = store_menu(conn, store, [dict(p, name=f"  {p['name']} ") for p in reversed(FIRST_MENU)])
+    assert counts(again) == (True, 4, 0, 0, 0)
+    assert products_of(conn, store) == products
+    assert history(conn, store) == rows
+    after = crawl_state(conn, store)
+    assert ts(after["last_crawl_at"]) > ts(state["last_crawl_at"])
+    assert {k: v for k, v in after.items() if k != "last_crawl_at"} == {
+        k: v for k, v in state.items() if k != "last_crawl_at"
+    }
+
+
+def test_store_menu_records_exactly_what_changed(conn: psycopg.Connection):
+    (store,) = add_stores(conn, 1)
+    store_menu(conn, store, FIRST_MENU)
+    before, mark, state = products_of(conn, store), last_history_id(conn), crawl_state(conn, store)
+    # A's price changes, B goes out of stock, C is gone, D is new, E is as it was.
+    changed_menu = [item("A", "11.5", True), item("B", 20, False), item("D", 7, True), item("E", 5, True)]
+    result = store_menu(conn, store, changed_menu)
+    assert counts(result) == (False, 4, 1, 2, 1)
+    d = Decimal
+    assert history(conn, store, mark) == [
+        ("A", "changed", d("11.50"), d("10.00"), True, True),
+        ("B", "changed", d("20.00"), d("20.00"), False, True),
+        ("C", "gone", None, d("30.00"), None, False),
+        ("D", "new", d("7.00"), None, True, None),
+    ]
+    after = products_of(conn, store)
+    assert set(after) == {"A", "B", "C", "D", "E"}  # the gone product is kept
+    assert after["C"]["gone_at"] is not None
+    assert after["C"]["price"] == 30.0 and after["C"]["in_stock"] is False
+    assert all(after[k]["gone_at"] is None for k in "ABDE")
+    assert (after["A"]["price"], after["B"]["in_stock"]) == (11.5, False)
+    for k in "AB":
+        assert ts(after[k]["changed_at"]) > ts(before[k]["changed_at"])
+    assert after["E"]["changed_at"] == before["E"]["changed_at"]
+    assert ts(after["E"]["last_seen_at"]) > ts(before["E"]["last_seen_at"])
+    assert after["C"]["last_seen_at"] == before["C"]["last_seen_at"]
+    new_state = crawl_state(conn, store)
+    assert new_state["menu_hash"] == menu_hash(normalise_menu(changed_menu))
+    assert ts(new_state["last_change_at"]) > ts(state["last_change_at"])
+
+    # C comes back (at a new price): 'back', counted as changed.
+    mark = last_history_id(conn)
+    back_menu = [*changed_menu, item("C", 31, True)]
+    assert counts(store_menu(conn, store, back_menu)) == (False, 5, 0, 1, 0)
+    assert history(conn, store, mark) == [("C", "back", d("31.00"), d("30.00"), True, False)]
+    assert products_of(conn, store)["C"]["gone_at"] is None
+
+    # C goes again, then stays away while something else changes: one 'gone', not one per menu.
+    mark = last_history_id(conn)
+    assert counts(store_menu(conn, store, changed_menu)) == (False, 4, 0, 0, 1)
+    assert counts(store_menu(conn, store, [*changed_menu[:3], item("E", 6, True)])) == (False, 4, 0, 1, 0)
+    assert [(h[0], h[1]) for h in history(conn, store, mark)] == [("C", "gone"), ("E", "changed")]
+
+
+def test_store_menu_changes_of_name_only_write_no_history(conn: psycopg.Connection):
+    (store,) = add_stores(conn, 1)
+    store_menu(conn, store, FIRST_MENU)
+    mark, state = last_history_id(conn), crawl_state(conn, store)
+    renamed = [dict(p, name="Renamed") if p["id"] == "A" else p for p in FIRST_MENU]
+    assert counts(store_menu(conn, store, renamed)) == (False, 4, 0, 0, 0)
+    assert history(conn, store, mark) == []
+    assert products_of(conn, store)["A"]["name"] == "Renamed"
+    assert crawl_state(conn, store)["last_change_at"] == state["last_change_at"]
+
+
+def test_store_menu_refuses_a_store_that_does_not_exist(conn: psycopg.Connection):
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+        store_menu(conn, 987654, FIRST_MENU)
+    assert info.value.sqlstate == "22023"
+    assert "no store with id 987654" in str(info.value)
+    assert conn.execute("SELECT count(*) FROM products").fetchone() == (0,)
+
+
+# ------------------------------------------------------------------------------------------------
+# refresh_store_analytics
+# ------------------------------------------------------------------------------------------------
+
+
+def refresh(conn: psycopg.Connection) -> tuple[int, int]:
+    return conn.execute("SELECT stores, removed FROM refresh_store_analytics()").fetchone()
+
+
+def analytics(conn: psycopg.Connection) -> dict[int, dict[str, Any]]:
+    rows = conn.execute("SELECT dispensary_id, to_jsonb(a) FROM store_analytics a").fetchall()
+    return dict(rows)
+
+
+def test_refresh_store_analytics_counts_per_store(conn: psycopg.Connection):
+    one, two = add_stores(conn, 2)
+    ((listed_only, _, _),) = upsert(conn, "jane", listing([1]))  # crawl state, no products
+    store_menu(
+        conn, one, [item("A", 10, True), item("B", 20, True), item("C", 30, False), item("F", 1, True)]
+    )
+    store_menu(
+        conn, one, [item("A", 11, True), item("B", 20, False), item("F", 1, True)]
+    )  # price, stock, gone
+    store_menu(conn, one, [item("A", 11, True), item("B", 20, False), item("F", 2, True)])  # price
+    # F's price change was two days ago: in the week, not the day.
+    conn.execute(
+        """
+        UPDATE product_history h SET observed_at = now() - interval '2 days'
+        FROM products p
+        WHERE p.id = h.product_id AND p.external_id = 'F' AND h.change = 'changed'
+        """
+    )
+    store_menu(conn, two, [item("X", 1, True), item("Y", 2, False)])
+    now = db_now(conn)
+    insert_task(conn, "product_discovery", one, status="completed", completed_at=now - timedelta(hours=3))
+    insert_task(conn, "product_resync", one, status="completed", completed_at=now - timedelta(hours=1))
+    insert_task(
+        conn, "entry_point_discovery", one, status="completed", completed_at=now - timedelta(minutes=1)
+    )
+    insert_task(conn, "product_resync", one, status="failed", completed_at=now - timedelta(minutes=1))
+    insert_task(conn, "product_resync", one, status="pending")
+
+    assert refresh(conn) == (3, 0)
+    got = analytics(conn)
+    assert set(got) == {one, two, listed_only}
+    a = got[one]
+    assert (a["products_listed"], a["products_in_stock"]) == (3, 2)  # A, B, F; A and F in stock
+    assert (a["price_changes_24h"], a["price_changes_7d"]) == (1, 2)  # B's stock flip is not a price change
+    assert ts(a["last_success_at"]) == now - timedelta(hours=1)
+    state = crawl_state(conn, one)
+    assert (a["last_crawl_at"], a["last_change_at"], a["platform"]) == (
+        state["last_crawl_at"],
+        state["last_change_at"],
+        "dutchie",
+    )
+    b = got[two]
+    assert (b["products_listed"], b["products_in_stock"], b["price_changes_24h"], b["price_changes_7d"]) == (
+        2,
+        1,
+        0,
+        0,
+    )
+    assert b["last_success_at"] is None
+    c = got[listed_only]
+    assert (c["products_listed"], c["products_in_stock"], c["platform"], c["last_crawl_at"]) == (
+        0,
+        0,
+        "jane",
+        None,
+    )
+
+    hours = dict(conn.execute("SELECT dispensary_id, hours_since_success FROM v_store_freshness").fetchall())
+    assert float(hours[one]) == pytest.approx(1.0, abs=0.05)
+    assert hours[two] is None
+
+    # A store whose crawl state is deleted leaves the analytics on the next refresh.
+    conn.execute("DELETE FROM store_crawl_state WHERE dispensary_id = %s", (two,))
+    assert refresh(conn) == (2, 1)
+    assert set(analytics(conn)) == {one, listed_only}
+
+
+def test_readers_see_the_old_analytics_while_a_refresh_is_open(db_url: str, conn: psycopg.Connection):
+    (store,) = add_stores(conn, 1)
+    store_menu(conn, store, [item("A", 1), item("B", 2), item("C", 3)])
+    refresh(conn)
+    store_menu(conn, store, [item("A", 1), item("B", 2), item("C", 3), item("D", 4)])
+    listed = "SELECT products_listed FROM store_analytics WHERE dispensary_id = %s"
+    with psycopg.connect(db_url) as writer, psycopg.connect(db_url, autocommit=True) as reader:
+        reader.execute("SET statement_timeout = '2s'")
+        assert refresh(writer) == (1, 0)  # open: not committed
+        assert writer.execute(listed, (store,)).fetchone() == (4,)
+        # A reader that waited for the writer's locks would hit the timeout.
+        assert reader.execute(listed, (store,)).fetchone() == (3,)
+        assert reader.execute("SELECT count(*) FROM v_store_freshness").fetchone() == (1,)
+        assert reader.execute("SELECT count(*) FROM store_analytics").fetchone() == (1,)
+        writer.commit()
+        assert reader.execute(listed, (store,)).fetchone() == (4,)
+
+
+# ------------------------------------------------------------------------------------------------
+# fail_task with Retry-After
+# ------------------------------------------------------------------------------------------------
+
+
+def claimed_task(conn: psycopg.Connection, queue: TaskQueue, worker: str = "w") -> int:
+    (store,) = add_stores(conn, 1)
+    task_id = queue.enqueue(ROLE, store, platform="dutchie")
+    task = queue.claim(ROLE, worker)
+    assert task is not None and task.id == task_id
+    return task_id
+
+
+def fail_and_measure(
+    conn: psycopg.Connection, queue: TaskQueue, task_id: int, retry_after: float | None
+) -> tuple[float, float]:
+    """Fail the task; returns the bounds of (scheduled_for - the failure's now()) in seconds."""
+    before = db_now(conn)
+    assert queue.fail(task_id, "w", "HTTP 429", retry_after=retry_after) == "pending"
+    after = db_now(conn)
+    scheduled_for = queue.get(task_id).scheduled_for
+    return (scheduled_for - after).total_seconds(), (scheduled_for - before).total_seconds()
+
+
+def role_backoff(conn: psycopg.Connection, role: str = ROLE) -> tuple[int, int]:
+    return conn.execute(
+        "SELECT retry_base_seconds, retry_cap_seconds FROM worker_task_roles WHERE role = %s", (role,)
+    ).fetchone()
+
+
+def test_fail_with_retry_after_waits_at_least_that_long(conn: psycopg.Connection, queue: TaskQueue):
+    base, _ = role_backoff(conn)
+    assert base < 600  # so that the Retry-After is what decides
+    task_id = claimed_task(conn, queue)
+    low, high = fail_and_measure(conn, queue, task_id, 600)
+    assert low >= 600 - 1 and high <= 600 + 1
+    task = queue.get(task_id)
+    assert (task.status, task.retry_count, task.worker_id, task.error_message) == (
+        "pending",
+        1,
+        None,
+        "HTTP 429",
+    )
+    assert_store_state_consistent(conn)
+
+
+def test_fail_caps_retry_after_at_a_day(conn: psycopg.Connection, queue: TaskQueue):
+    task_id = claimed_task(conn, queue)
+    low, high = fail_and_measure(conn, queue, task_id, 10 * 86400)
+    assert low >= 86400 - 1 and high <= 86400 + 1
+
+
+def test_fail_without_a_longer_retry_after_backs_off_as_before(conn: psycopg.Connection, queue: TaskQueue):
+    base, _ = role_backoff(conn)
+    for retry_after in (None, 0, -60, 1):
+        task_id = claimed_task(conn, queue)
+        low, high = fail_and_measure(conn, queue, task_id, retry_after)
+        # retry 1: base * 2^0 with jitter in [50%, 100%]
+        assert low >= base * 0.5 - 1 and high <= base + 1, retry_after
+    assert_store_state_consistent(conn)
+
+
+@pytest.mark.parametrize(("call", "seconds"), [("fail", 1e14), ("defer", float("inf"))])
+def test_an_absurd_retry_after_is_capped_at_a_day(
+    conn: psycopg.Connection, queue: TaskQueue, seconds: float, call: str
+):
+    task_id = claimed_task(conn, queue)
+    if call == "fail":
+        assert queue.fail(task_id, "w", "HTTP 429", retry_after=seconds) == "pending"
+    else:
+        assert queue.defer(task_id, "w", seconds)
+    due_in = conn.execute(
+        "SELECT scheduled_for - now() FROM worker_tasks WHERE id = %s", (task_id,)
+    ).fetchone()[0]
+    assert due_in <= timedelta(days=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# defer_task
+# ------------------------------------------------------------------------------------------------
+
+
+def test_defer_gives_the_task_back_untried(conn: psycopg.Connection, queue: TaskQueue):
+    task_id = claimed_task(conn, queue)
+    # Spend one retry first, so that "unchanged" is not just "still zero".
+    conn.execute(
+        "UPDATE worker_tasks SET retry_count = 1, error_message = 'earlier' WHERE id = %s", (task_id,)
+    )
+    assert queue.start(task_id, "w")
+    before = db_now(conn)
+    assert queue.defer(task_id, "w", 300) is True
+    after = db_now(conn)
+    task = queue.get(task_id)
+    assert task.status == "pending"
+    assert task.retry_count == 1
+    assert task.error_message == "earlier"
+    assert before + timedelta(seconds=300) <= task.scheduled_for <= after + timedelta(seconds=300)
+    assert (task.worker_id, task.claimed_at, task.started_at, task.last_heartbeat_at) == (
+        None,
+        None,
+        None,
+        None,
+    )
+    assert_store_state_consistent(conn)
+    assert conn.execute(
+        "SELECT active_task_id FROM worker_task_stores WHERE dispensary_id = %s", (task.dispensary_id,)
+    ).fetchone() == (None,)
+    assert queue.claim(ROLE, "w2") is None  # not due for five minutes
+    conn.execute(
+        "UPDATE worker_tasks SET scheduled_for = now() - interval '1 second' WHERE id = %s", (task_id,)
+    )
+    again = queue.claim(ROLE, "w2")
+    assert again is not None and again.id == task_id and again.retry_count == 1
+    assert_store_state_consistent(conn)
+
+
+def test_defer_by_a_non_owner_changes_nothing(conn: psycopg.Connection, queue: TaskQueue):
+    task_id = claimed_task(conn, queue)
+    before = row(conn, "worker_tasks", "id = %s", task_id)
+    assert queue.defer(task_id, "someone-else", 60) is False
+    assert row(conn, "worker_tasks", "id = %s", task_id) == before
+    assert queue.complete(task_id, "w", {})
+    done = row(conn, "worker_tasks", "id = %s", task_id)
+    assert queue.defer(task_id, "w", 60) is False  # finished: nothing to give back
+    assert row(conn, "worker_tasks", "id = %s", task_id) == done
+    assert_store_state_consistent(conn)
+
+
+def test_defer_delay_is_clamped_to_now_and_a_day(conn: psycopg.Connection, queue: TaskQueue):
+    for delay, expected in ((-30, 0), (0, 0), (10 * 86400, 86400)):
+        task_id = claimed_task(conn, queue)
+        before = db_now(conn)
+        assert queue.defer(task_id, "w", delay)
+        after = db_now(conn)
+        scheduled_for = queue.get(task_id).scheduled_for
+        low, high = before + timedelta(seconds=expected), after + timedelta(seconds=expected)
+        assert low <= scheduled_for <= high, delay
+        assert queue.cancel(task_id)  # out of the next claim's way
+    assert_store_state_consistent(conn)
+
+
+def test_task_still_owned_only_for_the_owner_while_active(conn: psycopg.Connection, queue: TaskQueue):
+    task_id = claimed_task(conn, queue)
+
+    def owned(worker: str) -> bool:
+        return (
+            conn.execute(query("task_still_owned"), {"task_id": task_id, "worker_id": worker}).fetchone()
+            is not None
+        )
+
+    assert owned("w") and not owned("other")
+    assert queue.defer(task_id, "w", 0)
+    assert not owned("w")
+
+
+# ------------------------------------------------------------------------------------------------
+# platform_errors
+# ------------------------------------------------------------------------------------------------
+
+
+def test_platform_errors_counts_the_window_per_platform(conn: psycopg.Connection, queue: TaskQueue):
+    # (label, platform, outcome, error, moved back by)
+    plan = [
+        ("a-done-1", "alpha", "complete", None, None),
+        ("a-done-2", "alpha", "complete", None, None),
+        ("a-failed", "alpha", "failed", "alpha failed", timedelta(minutes=10)),
+        ("a-retry", "alpha", "retry", "alpha retry, newest", timedelta(minutes=2)),
+        ("a-old-done", "alpha", "complete", None, timedelta(hours=3)),
+        ("a-old-failed", "alpha", "failed", "alpha old failure", timedelta(hours=3)),
+        ("a-old-retry", "alpha", "retry", "alpha old retry", timedelta(hours=2)),
+        ("b-failed", "beta", "failed", "beta failed", None),
+        ("b-pending", "beta", "pending", None, None),
+        ("g-old-done", "gamma", "complete", None, timedelta(hours=5)),
+        ("none-failed", None, "failed", "no platform", None),
+    ]
+    ids = {label: queue.enqueue(LOOSE, platform=p, payload={"label": label}) for label, p, *_ in plan}
+    claimed = {t.payload["label"]: t.id for t in queue.claim_many(LOOSE, "w", 100)}
+    assert claimed == ids
+    for label, _, outcome, error, back in plan:
+        task_id = ids[label]
+        if outcome == "complete":
+            assert queue.complete(task_id, "w", {})
+        elif outcome == "failed":
+            assert queue.fail(task_id, "w", error, retryable=False) == "failed"
+        elif outcome == "retry":
+            assert queue.fail(task_id, "w", error) == "pending"
+        else:
+            assert queue.defer(task_id, "w", 0)  # pending, never failed: no error
+        if back is not None:
+            columns = {"updated_at": back} | ({} if outcome == "retry" else {"completed_at": back})
+            set_task_times(conn, task_id, **columns)
+
+    assert queue.platform_errors(60) == [
+        {"platform": "alpha", "completed": 2, "errors": 2, "last_error": "alpha retry, newest"},
+        {"platform": "beta", "completed": 0, "errors": 1, "last_error": "beta failed"},
+    ]
+    # A longer window takes the older ones in; the newest error is still the newest.
+    assert queue.platform_errors(600) == [
+        {"platform": "alpha", "completed": 3, "errors": 4, "last_error": "alpha retry, newest"},
+        {"platform": "beta", "completed": 0, "errors": 1, "last_error": "beta failed"},
+        {"platform": "gamma", "completed": 1, "errors": 0, "last_error": None},
+    ]
+    assert queue.platform_errors(1) == [
+        {"platform": "alpha", "completed": 2, "errors": 0, "last_error": None},
+        {"platform": "beta", "completed": 0, "errors": 1, "last_error": "beta failed"},
+    ]
