@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=100.0)
     parser.add_argument("--in-flight", type=int, default=8, help="max_in_flight per platform host")
     parser.add_argument("--changed-versions", type=int, default=1, help="menu versions between crawls")
-    parser.add_argument("--pool", type=int, default=16, help="queue connection pool of the drain run")
+    parser.add_argument("--pool", type=int, default=8, help="queue connection pool of the drain run")
     args = parser.parse_args()
 
     per = args.stores // args.platforms
