@@ -167,13 +167,21 @@ LEFT JOIN store_crawl_state c ON c.dispensary_id = d.id
 WHERE d.id = %(dispensary_id)s;
 
 -- name: save_entry_point
-WITH state AS (
+-- A store that resolves is not gone: if it was marked so, crawling is switched back on (a store
+-- disabled by hand, with no gone_at, stays disabled).
+WITH old AS (
+  SELECT gone_at FROM store_crawl_state WHERE dispensary_id = %(dispensary_id)s
+),
+state AS (
   INSERT INTO store_crawl_state (dispensary_id, platform, menu_url, resolved_at)
   VALUES (%(dispensary_id)s, %(platform)s, %(menu_url)s, now())
   ON CONFLICT (dispensary_id) DO UPDATE
   SET menu_url = excluded.menu_url, resolved_at = now(), gone_at = NULL
 )
-UPDATE dispensaries SET platform_dispensary_id = %(platform_id)s, updated_at = now()
+UPDATE dispensaries
+SET platform_dispensary_id = %(platform_id)s,
+    crawl_enabled = crawl_enabled OR EXISTS (SELECT 1 FROM old WHERE old.gone_at IS NOT NULL),
+    updated_at = now()
 WHERE id = %(dispensary_id)s;
 
 -- name: mark_store_gone

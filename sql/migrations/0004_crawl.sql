@@ -116,9 +116,20 @@ BEGIN
       UPDATE store_crawl_state c
       SET last_listed_at = now(), region = coalesce(s.region, c.region), gone_at = NULL
       WHERE c.dispensary_id = v_id;
-      -- Gone, now back: crawl it again (a store disabled by hand has no gone_at and stays so).
+      -- Gone, now back: crawl it again (a store disabled by hand has no gone_at and stays so),
+      -- resolving its entry point first if it went before that was done.
       IF v_gone IS NOT NULL THEN
         UPDATE dispensaries d SET crawl_enabled = true WHERE d.id = v_id;
+        INSERT INTO worker_tasks (role, dispensary_id, platform)
+        SELECT 'entry_point_discovery', d.id, p_platform
+        FROM dispensaries d
+        WHERE d.id = v_id
+          AND d.platform_dispensary_id IS NULL
+          AND NOT EXISTS (
+            SELECT 1 FROM worker_tasks t
+            WHERE t.dispensary_id = v_id
+              AND t.role = 'entry_point_discovery'
+              AND t.status IN ('pending', 'claimed', 'running'));
       END IF;
       dispensary_id := v_id; directory_id := s.id; created := false;
     ELSE

@@ -1,6 +1,7 @@
 """The crawl's pure parts, no database: menu validation and hashing, Retry-After, the per-host
 rate (GCRA), platform settings and adapters, and the handler registry's TQ_HANDLERS overrides."""
 
+import math
 import email.utils
 import itertools
 import re
@@ -277,7 +278,7 @@ def test_host_key_is_scheme_host_and_port():
 
 def test_gcra_allows_a_burst_of_max_in_flight_then_one_per_interval():
     host = _Host(HostLimits(max_in_flight=3, requests_per_second=10))
-    delays = [host.reserve_start() for _ in range(7)]
+    delays = [host.reserve_start(math.inf) for _ in range(7)]
     assert delays[:3] == [0.0, 0.0, 0.0]
     assert delays[3] == pytest.approx(0.1, abs=0.02)
     for before, after in itertools.pairwise(delays[3:]):
@@ -297,16 +298,16 @@ def test_gcra_on_a_fake_clock_refills_after_idle_and_honours_a_pause(monkeypatch
     clock = FakeClock()
     monkeypatch.setattr(http_mod, "time", types.SimpleNamespace(monotonic=clock.monotonic))
     host = _Host(HostLimits(max_in_flight=2, requests_per_second=4))  # interval 0.25 s
-    assert [host.reserve_start() for _ in range(4)] == [0.0, 0.0, 0.25, 0.5]
+    assert [host.reserve_start(math.inf) for _ in range(4)] == [0.0, 0.0, 0.25, 0.5]
     clock.now += 0.25  # one interval later: the next slot is 0.5 s after the last
-    assert host.reserve_start() == pytest.approx(0.5)
+    assert host.reserve_start(math.inf) == pytest.approx(0.5)
     clock.now += 60  # idle: a full burst again, no more
-    assert [host.reserve_start() for _ in range(3)] == [0.0, 0.0, pytest.approx(0.25)]
+    assert [host.reserve_start(math.inf) for _ in range(3)] == [0.0, 0.0, pytest.approx(0.25)]
     clock.now += 60
     host.paused_until = clock.now + 10  # a 429 with Retry-After 10
-    assert host.reserve_start() == pytest.approx(10.0)
-    assert host.reserve_start() == pytest.approx(10.0)  # the burst is allowed at the end of the pause
-    assert host.reserve_start() == pytest.approx(10.25)
+    assert host.reserve_start(math.inf) == pytest.approx(10.0)
+    assert host.reserve_start(math.inf) == pytest.approx(10.0)  # the burst is allowed at the end of the pause
+    assert host.reserve_start(math.inf) == pytest.approx(10.25)
 
 
 @pytest.mark.parametrize(
@@ -635,3 +636,13 @@ def test_tq_handlers_refuses_a_missing_or_uncallable_function(
     monkeypatch.setenv("TQ_HANDLERS", spec)
     with pytest.raises(HandlerRegistryError, match=expected):
         load_handlers()
+
+
+def test_a_start_further_than_the_wait_reserves_nothing():
+    host = _Host(HostLimits(max_in_flight=1, requests_per_second=1))
+    assert host.reserve_start(math.inf) == 0.0
+    # The next start is a second away: refused at a shorter wait, and refusing reserves nothing.
+    for _ in range(5):
+        assert host.reserve_start(0.1) is None
+    assert host.next_start_in() == pytest.approx(1.0, abs=0.05)
+    assert host.reserve_start(math.inf) == pytest.approx(1.0, abs=0.05)

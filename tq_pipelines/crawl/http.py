@@ -48,17 +48,28 @@ class _Host:
         self.due = 0.0  # the rate's theoretical start of the next request (monotonic)
         self.paused_until = 0.0
 
-    def reserve_start(self) -> float:
+    def reserve_start(self, max_wait: float) -> float | None:
         """Take the next start the rate allows (GCRA: a burst of up to ``max_in_flight`` after an
-        idle spell, then one per interval); returns how long to wait for it."""
+        idle spell, then one per interval) if it is at most ``max_wait`` away; returns the wait,
+        or None, reserving nothing, when it is further (the caller defers its task)."""
         with self.lock:
             now = time.monotonic()
             interval = 1.0 / self.limits.requests_per_second
             tolerance = interval * (self.limits.max_in_flight - 1)
             due = max(self.due, now)
             start = max(now, due - tolerance, self.paused_until)
+            if start - now > max_wait:
+                return None
             self.due = max(due, start) + interval
             return start - now
+
+    def next_start_in(self) -> float:
+        """How long until a request could start (for a deferred task's delay)."""
+        with self.lock:
+            now = time.monotonic()
+            interval = 1.0 / self.limits.requests_per_second
+            tolerance = interval * (self.limits.max_in_flight - 1)
+            return max(0.0, max(self.due, now) - tolerance - now, self.paused_until - now)
 
 
 def host_key(url: str) -> str:
@@ -133,9 +144,10 @@ class PoliteClient:
         if not host.slots.acquire(timeout=wait):
             raise DeferTask(max(1.0, wait), f"{key}: {host.limits.max_in_flight} requests in flight")
         try:
-            delay = host.reserve_start()
-            if delay > wait:
-                raise DeferTask(delay, f"{key}: paused or rate-limited for {delay:.1f} s")
+            delay = host.reserve_start(wait)
+            if delay is None:
+                later = host.next_start_in()
+                raise DeferTask(max(later, 1.0), f"{key}: paused or rate-limited for {later:.1f} s")
             if delay > 0:
                 time.sleep(delay)
             try:
