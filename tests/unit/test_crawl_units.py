@@ -1,9 +1,9 @@
 """The crawl's pure parts, no database: menu validation and hashing, Retry-After, the per-host
 rate (GCRA), platform settings and adapters, and the handler registry's TQ_HANDLERS overrides."""
 
-import math
 import email.utils
 import itertools
+import math
 import re
 import sys
 import time
