@@ -235,3 +235,26 @@ FROM recent r
 WHERE r.platform IS NOT NULL
 GROUP BY r.platform
 ORDER BY r.platform;
+
+-- name: enqueue_demo_resyncs
+-- The demo's crawl schedule: a product_resync for every crawlable store without one pending or
+-- running, the platforms in turn a millisecond apart (as generate_resync_tasks opens a batch).
+INSERT INTO worker_tasks (role, dispensary_id, platform, scheduled_for)
+SELECT
+  'product_resync',
+  s.id,
+  s.menu_type,
+  now() + (row_number() OVER (ORDER BY s.turn, s.menu_type, s.id) - 1) * INTERVAL '1 millisecond'
+FROM (
+  SELECT d.id, d.menu_type, row_number() OVER (PARTITION BY d.menu_type ORDER BY d.id) AS turn
+  FROM dispensaries d
+  WHERE d.crawl_enabled
+    AND d.platform_dispensary_id IS NOT NULL
+    AND NOT EXISTS (
+      SELECT 1
+      FROM worker_tasks t
+      WHERE t.dispensary_id = d.id
+        AND t.role = 'product_resync'
+        AND t.status IN ('pending', 'claimed', 'running'))
+) s
+ORDER BY s.turn, s.menu_type, s.id;

@@ -8,6 +8,7 @@ from tq_pipelines.alerts import AlertResource
 from tq_pipelines.assets import task_completion_log, task_completion_log_job
 from tq_pipelines.handlers import load_handlers
 from tq_pipelines.jobs import (
+    demo_crawl_job,
     drain_tasks_job,
     enqueue_analytics_refresh_job,
     enqueue_store_discovery_job,
@@ -17,7 +18,7 @@ from tq_pipelines.jobs import (
 from tq_pipelines.resources import CrawlResource, QueueResource
 from tq_pipelines.schedules import (
     analytics_refresh_schedule,
-    demo_resync_schedule,
+    demo_crawl_schedule,
     generate_resync_tasks_schedule,
     recover_stale_tasks_schedule,
     store_discovery_schedule,
@@ -41,6 +42,7 @@ defs = dg.Definitions(
         task_completion_log_job,
         enqueue_store_discovery_job,
         enqueue_analytics_refresh_job,
+        demo_crawl_job,
     ],
     schedules=[
         generate_resync_tasks_schedule,
@@ -48,7 +50,7 @@ defs = dg.Definitions(
         task_completion_log_schedule,
         store_discovery_schedule,
         analytics_refresh_schedule,
-        *([demo_resync_schedule] if DEMO else []),
+        *([demo_crawl_schedule] if DEMO else []),
     ],
     sensors=[task_queue_sensor, resync_catchup_sensor, queue_health_sensor, run_failure_alert_sensor],
     resources={

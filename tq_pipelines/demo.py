@@ -7,6 +7,7 @@ from pathlib import Path
 from tq_pipelines.crawl.handlers import enqueue_store_discovery
 from tq_pipelines.crawl.platforms import load_platform_settings
 from tq_pipelines.crawl.simulator import Simulator, demo_profiles
+from tq_pipelines.db.queries import query
 from tq_pipelines.queue import TaskQueue
 
 
@@ -36,3 +37,10 @@ def seed_demo(database_url: str, fleet: DemoFleet) -> int:
     """Queue store_discovery for every demo platform and region; returns the tasks created."""
     with TaskQueue.connect(database_url) as queue:
         return enqueue_store_discovery(queue, load_platform_settings(fleet.platforms_file))
+
+
+def enqueue_demo_resyncs(queue: TaskQueue) -> int:
+    """A product_resync for every crawlable store with none pending or running (the demo's
+    crawl schedule); returns how many were created."""
+    with queue.pool.connection() as conn:
+        return conn.execute(query("enqueue_demo_resyncs")).rowcount

@@ -6,6 +6,7 @@ import dagster as dg
 from pydantic import Field
 
 from tq_pipelines.crawl.handlers import HTTP_ROLES, enqueue_store_discovery
+from tq_pipelines.demo import enqueue_demo_resyncs
 from tq_pipelines.handlers import BUILTIN, load_handlers
 from tq_pipelines.partitions import resync_partitions_def
 from tq_pipelines.queue import ROLES
@@ -220,3 +221,16 @@ def enqueue_analytics_refresh_task(context: dg.OpExecutionContext, tq: QueueReso
 @dg.job(executor_def=dg.in_process_executor, tags={"tq/kind": "analytics"})
 def enqueue_analytics_refresh_job() -> None:
     enqueue_analytics_refresh_task()
+
+
+@dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
+def enqueue_demo_crawl(context: dg.OpExecutionContext, tq: QueueResource):
+    """Demo only: a product_resync for every crawlable store that has none pending or running."""
+    created = enqueue_demo_resyncs(tq.queue)
+    context.log.info("queued %s demo resyncs", created)
+    return dg.Output(None, metadata={"created": dg.MetadataValue.int(created)})
+
+
+@dg.job(executor_def=dg.in_process_executor, tags={"tq/kind": "demo"})
+def demo_crawl_job() -> None:
+    enqueue_demo_crawl()

@@ -111,4 +111,9 @@ class CrawlResource(dg.ConfigurableResource):
     def services(self) -> CrawlServices | None:
         """A fresh HTTP client and adapters for one run; the caller closes it."""
         settings = self.settings()
-        return CrawlServices(settings) if settings else None
+        if not settings:
+            return None
+        try:
+            return CrawlServices(settings)
+        except PlatformSettingsError as exc:  # an adapter that cannot be loaded
+            raise QueueSettingsError(f"platforms_file (TQ_PLATFORMS_FILE) {self.path()}: {exc}") from exc

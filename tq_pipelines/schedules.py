@@ -1,11 +1,10 @@
 """Schedules. Every one is RUNNING by default: `make dev` shows a live system."""
 
-from datetime import UTC, datetime
-
 import dagster as dg
 
 from tq_pipelines.assets import task_completion_log_job
 from tq_pipelines.jobs import (
+    demo_crawl_job,
     enqueue_analytics_refresh_job,
     enqueue_store_discovery_job,
     generate_resync_tasks_job,
@@ -56,16 +55,12 @@ analytics_refresh_schedule = dg.ScheduleDefinition(
 )
 
 
-@dg.schedule(
-    name="demo_resync_schedule",
-    job=generate_resync_tasks_job,
+# Demo only (`tq dev`, `tq demo`): a resync of every store every 10 minutes, so that the demo
+# fleet keeps crawling, retrying and failing over on its first day. Production resyncs daily.
+demo_crawl_schedule = dg.ScheduleDefinition(
+    name="demo_crawl_schedule",
+    job=demo_crawl_job,
     cron_schedule="*/10 * * * *",
     execution_timezone="UTC",
     default_status=dg.DefaultScheduleStatus.RUNNING,
 )
-def demo_resync_schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest:
-    """Demo only (`tq dev` / `tq demo`): today's resync again every 10 minutes. It is idempotent,
-    so each run adds only the stores resolved since the last: the demo shows resyncs on its first
-    day instead of the next."""
-    day = (context.scheduled_execution_time or datetime.now(UTC)).astimezone(UTC).date().isoformat()
-    return dg.RunRequest(run_key=None, partition_key=day, tags={"tq/demo": "true"})

@@ -188,9 +188,17 @@ class CrawlServices:
         self.http = http or PoliteClient(timeout_seconds=timeout)
         self.settings = dict(settings)
         self.adapters: dict[str, PlatformAdapter] = {}
-        for name, s in self.settings.items():
-            self.http.set_limits(s.base_url, s.limits())
-            self.adapters[name] = adapter_factory(s.adapter)(s, self.http)
+        try:
+            for name, s in self.settings.items():
+                self.http.set_limits(s.base_url, s.limits())
+                try:
+                    self.adapters[name] = adapter_factory(s.adapter)(s, self.http)
+                except PlatformSettingsError as exc:
+                    raise PlatformSettingsError(f"[platforms.{name}]: {exc}") from exc
+        except BaseException:
+            if http is None:
+                self.http.close()
+            raise
 
     @classmethod
     def from_file(cls, path: str | Path) -> "CrawlServices":
