@@ -685,14 +685,20 @@ def test_074_defect_2_racing_threads_generate_resync_once(db_url: str, conn: psy
 def test_074_defect_2_generate_resync_spreads_batches_evenly_over_the_utc_day(
     conn: psycopg.Connection, queue: TaskQueue, stores: int, batches: int
 ):
-    """Times fall on the grid midnight UTC + k * 24h/batches within that day; every slot is used
-    when there are enough stores (else no two stores share one); slot sizes differ by at most one."""
+    """Batches open on the grid midnight UTC + k * 24h/batches within that day, their tasks a
+    millisecond apart; every slot is used when there are enough stores (else no two stores share
+    one); slot sizes differ by at most one."""
     add_stores(conn, stores)
     assert queue.generate_resync(day=DAY, batches_per_day=batches) == stores
     midnight = datetime(DAY.year, DAY.month, DAY.day)
     step = timedelta(hours=24) / batches
     grid = [midnight + k * step for k in range(batches)]
-    times = Counter(t for _, t, _ in resync_schedule(conn))
+    schedule = [t for _, t, _ in resync_schedule(conn)]
+    opening = {t.replace(microsecond=0) for t in schedule}
+    for start in opening:
+        in_batch = sorted(t for t in schedule if t.replace(microsecond=0) == start)
+        assert in_batch == [start + timedelta(milliseconds=k) for k in range(len(in_batch))]
+    times = Counter(t.replace(microsecond=0) for t in schedule)
     assert set(times) <= set(grid)
     if stores >= batches:
         assert set(times) == set(grid)
