@@ -181,7 +181,8 @@ def test_resync_platforms_and_batches_come_from_run_config(db_url: str, conn: ps
     assert op_metadata(result, "generate_resync_tasks")["created"] == 3
     assert conn.execute(
         # One batch, opening at midnight UTC (its tasks a millisecond apart).
-        "SELECT DISTINCT platform, date_trunc('second', scheduled_for) = '2026-06-02 00:00+00' FROM worker_tasks"
+        "SELECT DISTINCT platform, date_trunc('second', scheduled_for) = '2026-06-02 00:00+00'"
+        " FROM worker_tasks"
     ).fetchall() == [("jane", True)]
 
 
