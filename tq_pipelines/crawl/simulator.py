@@ -3,7 +3,7 @@
 One server (one port, so one host for the politeness limits) per platform. Stores and menus are
 derived from a seed, so every run sees the same fleet; menus change over time (each store every
 few ``change_seconds``), a few stores go away, and a share of requests answer 429, 500 or hang
-past the client's timeout. A platform can also have outage windows (every request 503).
+past the client's timeout. A platform can also have outage windows (every request 503), on the wall clock.
 Each server counts requests, answers and the most requests it ever had in flight.
 """
 
@@ -41,7 +41,7 @@ class PlatformProfile:
     gone_share: float = 0.0  # stores that disappear, at random times within gone_within_seconds
     gone_within_seconds: float = 3600.0
     change_seconds: float = 300.0  # a store's menu changes every 1..4 of these
-    outage_every_seconds: float = 0.0  # 0: never
+    outage_every_seconds: float = 0.0  # 0: never; windows are on the wall clock
     outage_seconds: float = 0.0
     seed: int = 0
 
@@ -102,12 +102,13 @@ class SimulatedPlatform:
         return store.gone_after is not None and self.elapsed() >= store.gone_after
 
     def in_outage(self) -> bool:
+        """Outage windows are on the wall clock (the first ``outage_seconds`` of every
+        ``outage_every_seconds`` since the epoch), so that they line up with the schedules' ticks:
+        with 1200 and 180, every :00, :20 and :40 past the hour."""
         p = self.profile
         if not p.outage_every_seconds or not p.outage_seconds:
             return False
-        # The first window opens one period after the start, so a fresh demo starts healthy.
-        t = self.elapsed()
-        return t >= p.outage_every_seconds and t % p.outage_every_seconds < p.outage_seconds
+        return time.time() % p.outage_every_seconds < p.outage_seconds
 
     def menu_version(self, store: _Store) -> int:
         return int(self.elapsed() // (self.profile.change_seconds * store.change_every))
@@ -336,7 +337,7 @@ def demo_profiles(stores_per_platform: int = 100, seed: int = 7) -> list[Platfor
             rate_500=0.02,
             seed=seed,
             change_seconds=240,
-            outage_every_seconds=900,
+            outage_every_seconds=1200,
             outage_seconds=180,
         ),
     ]

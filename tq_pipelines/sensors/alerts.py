@@ -37,7 +37,7 @@ class HealthThresholds(dg.ConfigurableResource):
     failure_rate: float = Field(default=0.2, ge=0, le=1)
     min_finished: int = Field(default=20, ge=1, description="Finished tasks in the hour before a rate counts")
     resync_hour_utc: int = Field(default=0, ge=0, le=23, description="When the next resync lands")
-    platform_window_minutes: int = Field(default=15, ge=1, description="Window of the platform check")
+    platform_window_minutes: int = Field(default=10, ge=1, description="Window of the platform check")
     platform_error_rate: float = Field(
         default=0.5, ge=0, le=1, description="Share of a platform's tasks ending in an error"
     )
