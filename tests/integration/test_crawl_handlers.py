@@ -317,7 +317,8 @@ def test_full_chain_lists_resolves_and_stores_menus(conn: psycopg.Connection, qu
         store = sim.platforms[name].stores[directory_id]
         row = by_id[dispensary_id]
         assert row["platform_dispensary_id"] == store.platform_id
-        assert row["menu_url"] == f"{sim.platforms[name].base_url}/menus/{store.platform_id}"
+        # As the platform gave it: relative, so that a base_url that moves keeps working.
+        assert row["menu_url"] == f"/menus/{store.platform_id}"
         assert row["resolved_at"] is not None
     assert all(t["result"]["queued_discovery"] is True for t in task_rows(conn, "entry_point_discovery"))
 

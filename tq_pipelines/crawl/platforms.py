@@ -156,13 +156,13 @@ class GenericJsonAdapter:
         platform_id = _field(body, "platform_id", url)
         if not isinstance(platform_id, str | int) or str(platform_id) == "":
             raise PermanentTaskError(f"{url}: platform_id must be a non-empty string, got {platform_id!r}")
+        # Kept as the platform gave it: a path stays relative to base_url, which may move.
         menu_url = body.get("menu_url")
-        return EntryPoint(str(platform_id), self.settings.url(menu_url) if menu_url else None)
+        return EntryPoint(str(platform_id), str(menu_url) if menu_url else None)
 
     def fetch_menu(self, entry: EntryPoint) -> Any:
-        url = entry.menu_url or self.settings.url(
-            self.settings.menu_path.format(platform_id=quote(entry.platform_id, safe=""))
-        )
+        path = entry.menu_url or self.settings.menu_path.format(platform_id=quote(entry.platform_id, safe=""))
+        url = self.settings.url(path)
         return _field(self.http.get_json(url, timeout=self.settings.timeout_seconds), "products", url)
 
 
