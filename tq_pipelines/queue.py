@@ -175,7 +175,7 @@ class TaskQueue:
 
     def heartbeat(self, worker_id: str, task_ids: Sequence[int]) -> set[int]:
         """Extend the leases; returns the ids still owned (the rest were lost)."""
-        row = self._one("heartbeat_tasks", {"worker_id": worker_id, "task_ids": list(task_ids)})
+        row = self._one("heartbeat_tasks", {"worker_id": worker_id, "task_ids": sorted(task_ids)})
         return set(row["ids"])
 
     def complete(self, task_id: int, worker_id: str, result: JSON = None) -> bool:
@@ -190,8 +190,10 @@ class TaskQueue:
         """:meth:`complete_many` with results already serialised to JSON text."""
         if not results:
             return set()
-        # Sent as text[] and cast in SQL: one array parameter, whatever the batch size.
-        params = {"worker_id": worker_id, "task_ids": list(results), "results": list(results.values())}
+        # Sent as text[] and cast in SQL: one array parameter, whatever the batch size. In id
+        # order, the order every multi-row writer locks in, so that two of them cannot deadlock.
+        ids = sorted(results)
+        params = {"worker_id": worker_id, "task_ids": ids, "results": [results[i] for i in ids]}
         return set(self._one("complete_tasks", params)["ids"])
 
     def fail(

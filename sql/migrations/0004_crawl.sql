@@ -14,8 +14,10 @@ ALTER TABLE worker_tasks
 ALTER TABLE worker_tasks VALIDATE CONSTRAINT payload_is_object;
 
 ------------------------------------------------------------------------------------------------
--- Crawl state per store. Kept beside dispensaries, not in it: a deployment's own dispensaries
--- table is only read (and its crawl_enabled cleared for a store its platform says is gone).
+-- Crawl state per store. Kept beside dispensaries, not in it: of a deployment's own dispensaries
+-- table the handlers use id, name, menu_type, platform_dispensary_id, crawl_enabled and
+-- updated_at (store_discovery inserts stores, entry_point_discovery sets the platform id, a
+-- store the platform says is gone has crawl_enabled cleared).
 ------------------------------------------------------------------------------------------------
 CREATE TABLE IF NOT EXISTS store_crawl_state (
   dispensary_id INTEGER PRIMARY KEY REFERENCES dispensaries (id) ON DELETE CASCADE,
@@ -73,7 +75,6 @@ CREATE TABLE IF NOT EXISTS store_analytics (
   products_in_stock INTEGER NOT NULL,
   price_changes_24h INTEGER NOT NULL,
   price_changes_7d INTEGER NOT NULL,
-  last_crawl_at TIMESTAMPTZ,
   last_success_at TIMESTAMPTZ,          -- last menu stored (or found unchanged)
   last_change_at TIMESTAMPTZ,
   refreshed_at TIMESTAMPTZ NOT NULL
@@ -103,6 +104,11 @@ BEGIN
   END IF;
   -- Two listings of one platform at once would both see a store as new.
   PERFORM pg_advisory_xact_lock(hashtext('tq:listing:' || p_platform));
+  IF EXISTS (
+    SELECT 1 FROM jsonb_to_recordset(p_stores) AS x (id TEXT) WHERE x.id IS NULL OR x.id = ''
+  ) THEN
+    RAISE EXCEPTION 'every listed store needs a non-empty id' USING ERRCODE = '22023';
+  END IF;
   FOR s IN
     SELECT DISTINCT ON (x.id) x.id, x.name, x.region
     FROM jsonb_to_recordset(p_stores) AS x (id TEXT, name TEXT, region TEXT)
@@ -116,21 +122,22 @@ BEGIN
       UPDATE store_crawl_state c
       SET last_listed_at = now(), region = coalesce(s.region, c.region), gone_at = NULL
       WHERE c.dispensary_id = v_id;
-      -- Gone, now back: crawl it again (a store disabled by hand has no gone_at and stays so),
-      -- resolving its entry point first if it went before that was done.
+      -- Gone, now back: crawl it again (a store disabled by hand has no gone_at and stays so).
       IF v_gone IS NOT NULL THEN
         UPDATE dispensaries d SET crawl_enabled = true WHERE d.id = v_id;
-        INSERT INTO worker_tasks (role, dispensary_id, platform)
-        SELECT 'entry_point_discovery', d.id, p_platform
-        FROM dispensaries d
-        WHERE d.id = v_id
-          AND d.platform_dispensary_id IS NULL
-          AND NOT EXISTS (
-            SELECT 1 FROM worker_tasks t
-            WHERE t.dispensary_id = v_id
-              AND t.role = 'entry_point_discovery'
-              AND t.status IN ('pending', 'claimed', 'running'));
       END IF;
+      -- Still unresolved (gone before it was, or its entry point failed): try again.
+      INSERT INTO worker_tasks (role, dispensary_id, platform)
+      SELECT 'entry_point_discovery', d.id, p_platform
+      FROM dispensaries d
+      WHERE d.id = v_id
+        AND d.crawl_enabled
+        AND d.platform_dispensary_id IS NULL
+        AND NOT EXISTS (
+          SELECT 1 FROM worker_tasks t
+          WHERE t.dispensary_id = v_id
+            AND t.role = 'entry_point_discovery'
+            AND t.status IN ('pending', 'claimed', 'running'));
       dispensary_id := v_id; directory_id := s.id; created := false;
     ELSE
       INSERT INTO dispensaries (name, menu_type, crawl_enabled)
@@ -167,6 +174,18 @@ BEGIN
   FOR UPDATE;
   IF NOT FOUND THEN
     RAISE EXCEPTION 'no store with id %', p_dispensary_id USING ERRCODE = '22023';
+  END IF;
+
+  IF p_menu_hash IS NULL OR p_menu_hash = '' THEN
+    RAISE EXCEPTION 'store_menu needs the menu''s hash' USING ERRCODE = '22023';
+  END IF;
+  IF EXISTS (
+    SELECT 1
+    FROM jsonb_to_recordset(p_products) AS x (id TEXT)
+    GROUP BY x.id
+    HAVING x.id IS NULL OR count(*) > 1
+  ) THEN
+    RAISE EXCEPTION 'every product needs an id, and each id once' USING ERRCODE = '22023';
   END IF;
 
   seen := jsonb_array_length(p_products);
@@ -285,18 +304,10 @@ BEGIN
       AND h.price IS DISTINCT FROM h.old_price
       AND h.observed_at > now() - INTERVAL '7 days'
     GROUP BY h.dispensary_id
-  ),
-  success AS (
-    SELECT t.dispensary_id, max(t.completed_at) AS at
-    FROM worker_tasks t
-    WHERE t.status = 'completed'
-      AND t.role IN ('product_discovery', 'product_resync')
-      AND t.dispensary_id IN (SELECT c.dispensary_id FROM store_crawl_state c)
-    GROUP BY t.dispensary_id
   )
   INSERT INTO store_analytics AS a (
     dispensary_id, platform, products_listed, products_in_stock, price_changes_24h, price_changes_7d,
-    last_crawl_at, last_success_at, last_change_at, refreshed_at)
+    last_success_at, last_change_at, refreshed_at)
   SELECT
     c.dispensary_id,
     c.platform,
@@ -304,14 +315,12 @@ BEGIN
     coalesce(l.products_in_stock, 0),
     coalesce(pc.day, 0),
     coalesce(pc.week, 0),
-    c.last_crawl_at,
-    s.at,
+    c.last_crawl_at,  -- store_menu sets it only for a menu stored (or found unchanged)
     c.last_change_at,
     now()
   FROM store_crawl_state c
   LEFT JOIN listed l ON l.dispensary_id = c.dispensary_id
   LEFT JOIN price_changes pc ON pc.dispensary_id = c.dispensary_id
-  LEFT JOIN success s ON s.dispensary_id = c.dispensary_id
   ORDER BY c.dispensary_id
   ON CONFLICT (dispensary_id) DO UPDATE
   SET platform = excluded.platform,
@@ -319,7 +328,6 @@ BEGIN
       products_in_stock = excluded.products_in_stock,
       price_changes_24h = excluded.price_changes_24h,
       price_changes_7d = excluded.price_changes_7d,
-      last_crawl_at = excluded.last_crawl_at,
       last_success_at = excluded.last_success_at,
       last_change_at = excluded.last_change_at,
       refreshed_at = excluded.refreshed_at;

@@ -104,3 +104,46 @@ BEGIN
   RETURN v_id;
 END;
 $$ LANGUAGE plpgsql;
+
+-- Heartbeats no longer wait on a task whose handler is writing: a handler's transaction holds its
+-- task row FOR SHARE (so that recovery cannot give the task away before its commit), and a
+-- heartbeat blocked there while holding other rows could deadlock with a completion. A row held
+-- that way is the caller's by the last committed state; it is reported owned and beaten next time.
+CREATE OR REPLACE FUNCTION heartbeat_tasks(p_worker_id VARCHAR, p_task_ids INTEGER[]) RETURNS INTEGER[] AS $$
+DECLARE
+  v_owned INTEGER[];
+BEGIN
+  WITH lockable AS (
+    SELECT t.id
+    FROM worker_tasks t
+    WHERE t.id = ANY (p_task_ids)
+      AND t.worker_id = p_worker_id
+      AND t.status IN ('claimed', 'running')
+    ORDER BY t.id
+    FOR NO KEY UPDATE SKIP LOCKED
+  ),
+  beaten AS (
+    UPDATE worker_tasks t
+    SET last_heartbeat_at = now()
+    FROM lockable l
+    WHERE t.id = l.id
+    RETURNING t.id
+  ),
+  busy AS (
+    SELECT t.id
+    FROM worker_tasks t
+    WHERE t.id = ANY (p_task_ids)
+      AND t.worker_id = p_worker_id
+      AND t.status IN ('claimed', 'running')
+      AND t.id NOT IN (SELECT l.id FROM lockable l)
+  )
+  SELECT coalesce(array_agg(x.id ORDER BY x.id), '{}') INTO v_owned
+  FROM (SELECT b.id FROM beaten b UNION ALL SELECT b.id FROM busy b) x;
+
+  UPDATE worker_registry
+  SET last_heartbeat_at = now(),
+      status = CASE WHEN cardinality(v_owned) > 0 THEN 'active' ELSE 'idle' END
+  WHERE worker_id = p_worker_id;
+  RETURN v_owned;
+END;
+$$ LANGUAGE plpgsql;

@@ -803,6 +803,8 @@ def test_invalid_menu_fails_at_once_naming_the_product(
     [
         pytest.param(200, b"<html>menu</html>", "did not answer JSON", id="not-json"),
         pytest.param(403, b'{"error": "forbidden"}', "HTTP 403", id="http-403"),
+        # A 404 (a wrong path in the settings answers it too) is no proof the store is gone.
+        pytest.param(404, b'{"error": "not found"}', "HTTP 404", id="http-404"),
         pytest.param(200, b'{"items": []}', "expected an object with 'products'", id="no-products-key"),
     ],
 )
@@ -1104,3 +1106,31 @@ def test_transaction_of_a_task_not_owned_raises_and_writes_nothing(
     with pytest.raises(LeaseLostError), owner.transaction() as cur:
         cur.execute(insert, (store, "late"))
     assert conn.execute("SELECT external_id FROM products").fetchall() == [("owner",)]
+
+
+def test_a_crawl_of_a_store_disabled_meanwhile_is_skipped(
+    conn: psycopg.Connection, queue: TaskQueue, menu_server: MenuServer
+):
+    menu_server.menu("quiet", [{"id": "a", "name": "A", "category": "flower", "price": 1, "in_stock": True}])
+    store = add_local_store(conn, "quiet")
+    task_id = queue.enqueue("product_resync", store, platform="local")
+    conn.execute("UPDATE dispensaries SET crawl_enabled = false WHERE id = %s", (store,))
+    with CrawlServices({"local": PlatformSettings(base_url=menu_server.base_url, **FAST)}) as services:
+        drain(queue, "product_resync", services, concurrency=1)
+    task = queue.get(task_id)
+    assert (task.status, task.result) == ("completed", {"skipped": "crawl disabled"})
+    assert conn.execute("SELECT count(*) FROM products").fetchone() == (0,)
+    assert_settled(conn)
+
+
+def test_an_entry_point_for_a_store_never_listed_fails_saying_what_to_do(
+    conn: psycopg.Connection, queue: TaskQueue, menu_server: MenuServer
+):
+    store = add_local_store(conn, "by-hand")  # no store_crawl_state row: no directory id
+    task_id = queue.enqueue("entry_point_discovery", store, platform="local")
+    with CrawlServices({"local": PlatformSettings(base_url=menu_server.base_url, **FAST)}) as services:
+        drain(queue, "entry_point_discovery", services, concurrency=1)
+    task = queue.get(task_id)
+    assert (task.status, task.retry_count) == ("failed", 0)
+    assert "no directory id" in task.error_message and "store_crawl_state" in task.error_message
+    assert conn.execute("SELECT crawl_enabled FROM dispensaries").fetchone() == (True,)

@@ -615,9 +615,9 @@ def test_refresh_store_analytics_counts_per_store(conn: psycopg.Connection):
     a = got[one]
     assert (a["products_listed"], a["products_in_stock"]) == (3, 2)  # A, B, F; A and F in stock
     assert (a["price_changes_24h"], a["price_changes_7d"]) == (1, 2)  # B's stock flip is not a price change
-    assert ts(a["last_success_at"]) == now - timedelta(hours=1)
     state = crawl_state(conn, one)
-    assert (a["last_crawl_at"], a["last_change_at"], a["platform"]) == (
+    # The last menu stored or found unchanged, whatever the tasks' history says.
+    assert (a["last_success_at"], a["last_change_at"], a["platform"]) == (
         state["last_crawl_at"],
         state["last_change_at"],
         "dutchie",
@@ -629,18 +629,24 @@ def test_refresh_store_analytics_counts_per_store(conn: psycopg.Connection):
         0,
         0,
     )
-    assert b["last_success_at"] is None
+    assert b["last_success_at"] == crawl_state(conn, two)["last_crawl_at"] is not None
     c = got[listed_only]
-    assert (c["products_listed"], c["products_in_stock"], c["platform"], c["last_crawl_at"]) == (
+    assert (c["products_listed"], c["products_in_stock"], c["platform"], c["last_success_at"]) == (
         0,
         0,
         "jane",
         None,
     )
 
+    # Freshness is computed when read: an hour after the last stored menu reads as an hour.
+    conn.execute(
+        "UPDATE store_analytics SET last_success_at = now() - interval '1 hour' WHERE dispensary_id = %s",
+        (one,),
+    )
     hours = dict(conn.execute("SELECT dispensary_id, hours_since_success FROM v_store_freshness").fetchall())
     assert float(hours[one]) == pytest.approx(1.0, abs=0.05)
-    assert hours[two] is None
+    assert float(hours[two]) == pytest.approx(0.0, abs=0.05)
+    assert hours[listed_only] is None
 
     # A store whose crawl state is deleted leaves the analytics on the next refresh.
     conn.execute("DELETE FROM store_crawl_state WHERE dispensary_id = %s", (two,))
@@ -872,3 +878,74 @@ def test_platform_errors_counts_the_window_per_platform(conn: psycopg.Connection
         {"platform": "alpha", "completed": 2, "errors": 0, "last_error": None},
         {"platform": "beta", "completed": 0, "errors": 1, "last_error": "beta failed"},
     ]
+
+
+# -- review fixes: unresolved stores, bad listings and menus, heartbeats beside a writing handler
+
+
+def test_listing_again_retries_the_entry_point_of_a_store_still_unresolved(conn: psycopg.Connection):
+    [(store, _, _)] = upsert(conn, "dutchie", listing([1]))
+    # Its entry point failed for good (say, 5xx until out of retries): the store has no platform id.
+    conn.execute(
+        "UPDATE worker_tasks SET status = 'failed', completed_at = now() WHERE dispensary_id = %s", (store,)
+    )
+    upsert(conn, "dutchie", listing([1]))
+    assert conn.execute(
+        "SELECT status FROM worker_tasks"
+        " WHERE dispensary_id = %s AND role = 'entry_point_discovery' ORDER BY id",
+        (store,),
+    ).fetchall() == [("failed",), ("pending",)]
+    upsert(conn, "dutchie", listing([1]))  # one is pending already: not a second
+    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE status = 'pending'").fetchone() == (1,)
+    # Resolved, or disabled by hand: nothing more is queued.
+    conn.execute("UPDATE worker_tasks SET status = 'completed', completed_at = now()")
+    conn.execute("UPDATE dispensaries SET crawl_enabled = false")
+    upsert(conn, "dutchie", listing([1]))
+    conn.execute("UPDATE dispensaries SET crawl_enabled = true, platform_dispensary_id = 'p1'")
+    upsert(conn, "dutchie", listing([1]))
+    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE status = 'pending'").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("ident", [None, ""])
+def test_upsert_listed_stores_refuses_a_store_without_an_id(conn: psycopg.Connection, ident: Any):
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="non-empty id"):
+        upsert(conn, "dutchie", [*listing([1]), {"id": ident, "name": "x"}])
+    assert conn.execute("SELECT count(*) FROM dispensaries").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(
+    ("menu_hash", "products"),
+    [
+        pytest.param(None, [item("A", 1)], id="no hash"),
+        pytest.param("h", [item("A", 1), item("A", 2)], id="duplicate id"),
+        pytest.param("h", [{"name": "no id", "price": 1, "in_stock": True, "category": "c"}], id="no id"),
+    ],
+)
+def test_store_menu_refuses_what_it_cannot_store_faithfully(
+    conn: psycopg.Connection, menu_hash: str | None, products: list[dict[str, Any]]
+):
+    (store,) = add_stores(conn, 1)
+    with pytest.raises(psycopg.errors.InvalidParameterValue):
+        conn.execute("SELECT * FROM store_menu(%s, %s, %s)", (store, menu_hash, Jsonb(products)))
+    assert conn.execute("SELECT count(*) FROM products").fetchone() == (0,)
+
+
+def test_a_heartbeat_does_not_wait_for_a_handler_writing_its_task(db_url: str, conn: psycopg.Connection):
+    """A handler's write transaction holds its task row FOR SHARE; the worker's heartbeat reports
+    that task owned without waiting for it, and beats the others."""
+    stores = add_stores(conn, 3)
+    ids = [insert_task(conn, ROLE, s, status="running", worker_id="w") for s in stores]
+    conn.execute("UPDATE worker_tasks SET last_heartbeat_at = now() - interval '5 minutes'")
+    with psycopg.connect(db_url) as handler:
+        handler.execute("SELECT 1 FROM worker_tasks WHERE id = %s FOR SHARE", (ids[1],))
+        with psycopg.connect(db_url, autocommit=True) as worker:
+            worker.execute("SET statement_timeout = '3s'")
+            [owned] = worker.execute("SELECT heartbeat_tasks('w', %s)", (ids,)).fetchone()  # type: ignore[misc]
+        handler.rollback()
+    assert owned == sorted(ids)
+    fresh = dict(
+        conn.execute(
+            "SELECT id, last_heartbeat_at > now() - interval '1 minute' FROM worker_tasks"
+        ).fetchall()
+    )
+    assert fresh == {ids[0]: True, ids[1]: False, ids[2]: True}

@@ -7,6 +7,7 @@ nothing. Every write is idempotent, so a task run twice (a lease lost after the 
 
 from typing import Any
 
+from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from tq_pipelines.crawl.http import GoneError
@@ -29,12 +30,11 @@ def _store(ctx: TaskContext, task: Task) -> dict[str, Any]:
     if task.dispensary_id is None:
         raise PermanentTaskError(f"a {task.role} task needs a store (dispensary_id)")
     assert ctx.pool is not None
-    with ctx.pool.connection() as conn:
-        row = conn.execute(query("store_entry_point"), {"dispensary_id": task.dispensary_id}).fetchone()
+    with ctx.pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(query("store_entry_point"), {"dispensary_id": task.dispensary_id}).fetchone()
     if row is None:
         raise PermanentTaskError(f"store {task.dispensary_id} does not exist")
-    names = ("id", "name", "menu_type", "platform_dispensary_id", "crawl_enabled", "directory_id", "menu_url")
-    return dict(zip(names, row, strict=False))
+    return row
 
 
 def _gone(ctx: TaskContext, store: dict[str, Any], exc: GoneError) -> PermanentTaskError:
@@ -74,11 +74,11 @@ def store_discovery(task: Task, ctx: TaskContext) -> JSON:
 def entry_point_discovery(task: Task, ctx: TaskContext) -> JSON:
     """Resolve the store's platform id and menu URL, then queue its first crawl."""
     store = _store(ctx, task)
-    directory_id = store["directory_id"] or store["platform_dispensary_id"]
+    directory_id = store["directory_id"]
     if not directory_id:
         raise PermanentTaskError(
-            f"store {store['id']} has no directory id: it was not listed by store_discovery "
-            "and has no platform_dispensary_id"
+            f"store {store['id']} has no directory id: store_discovery has not listed it "
+            "(a store added by hand needs a store_crawl_state row with its directory_id)"
         )
     try:
         entry = _services(ctx).adapter(store["menu_type"]).resolve_entry_point(directory_id)
@@ -116,6 +116,9 @@ def entry_point_discovery(task: Task, ctx: TaskContext) -> JSON:
 def crawl_menu(task: Task, ctx: TaskContext) -> JSON:
     """product_discovery and product_resync: fetch, validate, and store what changed."""
     store = _store(ctx, task)
+    if not store["crawl_enabled"]:
+        # Disabled (by hand, or gone) after this task was queued: nothing to crawl.
+        return {"skipped": "crawl disabled"}
     if not store["platform_dispensary_id"]:
         raise PermanentTaskError(
             f"store {store['id']} has no platform id yet: entry_point_discovery must resolve it first"

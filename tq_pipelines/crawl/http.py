@@ -19,9 +19,9 @@ from tq_pipelines.worker import DeferTask, PermanentTaskError, TransientTaskErro
 
 
 class GoneError(PermanentTaskError):
-    """The platform says the thing asked for does not exist (404) or no longer exists (410)."""
+    """HTTP 410: the platform says the thing asked for is gone for good."""
 
-    def __init__(self, url: str, status: int) -> None:
+    def __init__(self, url: str, status: int = 410) -> None:
         super().__init__(f"HTTP {status} for {url}")
         self.url = url
         self.status = status
@@ -136,8 +136,8 @@ class PoliteClient:
         self, url: str, params: dict[str, Any] | None = None, *, timeout: float | None = None
     ) -> Any:
         """The JSON body of a GET. Timeouts, connection errors, 429 and 5xx raise
-        :class:`TransientTaskError`; 404/410 :class:`GoneError`; other 4xx and a body that is not
-        JSON :class:`PermanentTaskError`; a saturated host :class:`DeferTask`."""
+        :class:`TransientTaskError`; 410 :class:`GoneError`; other 4xx and a body that is not JSON
+        :class:`PermanentTaskError`; a saturated host :class:`DeferTask`."""
         key = host_key(url)
         host = self._host(key)
         wait = host.limits.slot_wait_seconds
@@ -175,8 +175,10 @@ class PoliteClient:
                 f"HTTP {status} for {url}" + (f" (Retry-After {after:.0f} s)" if after else ""),
                 retry_after=after,
             )
-        if status in (404, 410):
+        if status == 410:
             raise GoneError(url, status)
+        # A 404 fails the task but does not switch the store off: a wrong path in the settings or a
+        # proxy's hiccup answers 404 too, and one of those must not silence a whole platform.
         if status >= 400:
             raise PermanentTaskError(f"HTTP {status} for {url}: {response.text[:200]}")
         try:

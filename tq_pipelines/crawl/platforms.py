@@ -105,6 +105,11 @@ class PlatformAdapter(Protocol):
 AdapterFactory = Callable[[PlatformSettings, PoliteClient], PlatformAdapter]
 
 
+def _clean(text: str) -> str:
+    """No NUL (jsonb and text refuse it) and no surrounding whitespace."""
+    return text.replace("\x00", "").strip()
+
+
 def _field(data: Any, key: str, where: str) -> Any:
     if not isinstance(data, dict) or key not in data:
         raise PermanentTaskError(f"{where}: expected an object with {key!r}, got {str(data)[:200]}")
@@ -132,11 +137,14 @@ class GenericJsonAdapter:
                 break
             page = self.http.get_json(url, params=params, timeout=self.settings.timeout_seconds)
             for item in _field(page, "stores", url):
+                ident = _field(item, "id", url)
+                if isinstance(ident, bool) or not isinstance(ident, str | int) or str(ident).strip() == "":
+                    raise PermanentTaskError(f"{url}: a store's id must be a non-empty string, got {ident!r}")
                 stores.append(
                     StoreListing(
-                        directory_id=str(_field(item, "id", url)),
-                        name=str(item.get("name") or item["id"]),
-                        region=item.get("region", region),
+                        directory_id=_clean(str(ident)),
+                        name=_clean(str(item.get("name") or ident)),
+                        region=_clean(str(item["region"])) if item.get("region") else region,
                     )
                 )
             nxt = page.get("next")
