@@ -180,8 +180,7 @@ state AS (
 )
 UPDATE dispensaries
 SET platform_dispensary_id = %(platform_id)s,
-    crawl_enabled = crawl_enabled OR EXISTS (SELECT 1 FROM old WHERE old.gone_at IS NOT NULL),
-    updated_at = now()
+    crawl_enabled = crawl_enabled OR EXISTS (SELECT 1 FROM old WHERE old.gone_at IS NOT NULL)
 WHERE id = %(dispensary_id)s;
 
 -- name: mark_store_gone
@@ -191,7 +190,7 @@ WITH state AS (
   VALUES (%(dispensary_id)s, %(platform)s, now())
   ON CONFLICT (dispensary_id) DO UPDATE SET gone_at = now()
 )
-UPDATE dispensaries SET crawl_enabled = false, updated_at = now()
+UPDATE dispensaries SET crawl_enabled = false
 WHERE id = %(dispensary_id)s;
 
 -- name: store_menu

@@ -15,9 +15,9 @@ ALTER TABLE worker_tasks VALIDATE CONSTRAINT payload_is_object;
 
 ------------------------------------------------------------------------------------------------
 -- Crawl state per store. Kept beside dispensaries, not in it: of a deployment's own dispensaries
--- table the handlers use id, name, menu_type, platform_dispensary_id, crawl_enabled and
--- updated_at (store_discovery inserts stores, entry_point_discovery sets the platform id, a
--- store the platform says is gone has crawl_enabled cleared).
+-- table the handlers use id, name, menu_type, platform_dispensary_id and crawl_enabled
+-- (store_discovery inserts stores, entry_point_discovery sets the platform id, a store the
+-- platform says is gone has crawl_enabled cleared).
 ------------------------------------------------------------------------------------------------
 CREATE TABLE IF NOT EXISTS store_crawl_state (
   dispensary_id INTEGER PRIMARY KEY REFERENCES dispensaries (id) ON DELETE CASCADE,
