@@ -77,7 +77,7 @@ class TaskContext:
             raise LeaseLostError(f"lease on task {self.task.id} lost")
 
     def progress(self, message: str, **fields: Any) -> None:
-        """Note how far the task got (logged, and kept for the outcome)."""
+        """Note how far the task got: logged, and added to the task's error if it then fails."""
         self.last_progress = {"message": message, **fields}
         self.log.debug("task %s: %s %s", self.task.id, message, fields or "")
 
@@ -309,6 +309,9 @@ class Worker:
             outcome.retry_after = exc.retry_after
         except Exception as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"
+        if outcome.error is not None and outcome.defer_seconds is None and ctx.last_progress:
+            # Where the handler got to, for whoever reads the error at 3 a.m.
+            outcome.error += f" (after: {json.dumps(ctx.last_progress, default=str)})"
         outcome.seconds = time.monotonic() - began
         return outcome
 

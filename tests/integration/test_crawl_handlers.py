@@ -1134,3 +1134,23 @@ def test_an_entry_point_for_a_store_never_listed_fails_saying_what_to_do(
     assert (task.status, task.retry_count) == ("failed", 0)
     assert "no directory id" in task.error_message and "store_crawl_state" in task.error_message
     assert conn.execute("SELECT crawl_enabled FROM dispensaries").fetchone() == (True,)
+
+
+def test_a_failed_task_says_how_far_its_handler_got(
+    conn: psycopg.Connection, queue: TaskQueue, menu_server: MenuServer
+):
+    """A menu that fails validation after the fetch: the error carries the last progress note."""
+    menu_server.menu("half", [{"id": "a", "name": "A", "category": "flower", "price": -1, "in_stock": True}])
+    store = add_local_store(conn, "half")
+    task_id = queue.enqueue("product_discovery", store, platform="local")
+
+    def fetch_then_fail(task: Task, ctx: TaskContext) -> Any:
+        ctx.progress("fetched", products=1)
+        return HANDLERS["product_discovery"](task, ctx)
+
+    with CrawlServices({"local": PlatformSettings(base_url=menu_server.base_url, **FAST)}) as services:
+        Worker(queue, "product_discovery", fetch_then_fail, services=services).run()
+    task = queue.get(task_id)
+    assert task is not None and task.status == "failed"
+    assert "price must be between" in task.error_message
+    assert task.error_message.endswith('(after: {"message": "fetched", "products": 1})')
