@@ -17,6 +17,9 @@ from tq_pipelines.db import embedded
 from tq_pipelines.db.migrate import migrate
 from tq_pipelines.queue import TaskQueue
 
+# The webhook fixture lives with the Dagster test helpers.
+pytest_plugins = ["tests.dagster_helpers"]
+
 
 def _admin(url: str) -> psycopg.Connection:
     return psycopg.connect(url, autocommit=True)

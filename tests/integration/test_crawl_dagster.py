@@ -8,11 +8,9 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from decimal import Decimal
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
+from tests.dagster_helpers import Webhook, failure_text, op_metadata
 from tests.helpers import add_stores, add_tasks, assert_store_state_consistent, status_counts
 from tq_pipelines.alerts import AlertResource
 from tq_pipelines.crawl.simulator import REGIONS, PlatformProfile, Simulator
@@ -85,31 +84,6 @@ def resync(
         run_config=run_config,
         partition_key=day,
     )
-
-
-def op_metadata(result: dg.ExecuteInProcessResult, op: str) -> dict[str, Any]:
-    """The metadata of the op's output, as plain values."""
-    [event] = [e for e in result.events_for_node(op) if e.event_type == dg.DagsterEventType.STEP_OUTPUT]
-    return {k: v.value for k, v in event.step_output_data.metadata.items()}
-
-
-def _chain(error: Any) -> str:
-    messages = []
-    while error is not None:
-        messages.append(error.message)
-        error = error.cause
-    return "\n".join(messages)
-
-
-def failure_text(result: dg.ExecuteInProcessResult) -> str:
-    """Every error message of the run's failed steps and failed resource inits, causes included."""
-    texts = []
-    for event in result.all_events:
-        if event.event_type == dg.DagsterEventType.STEP_FAILURE:
-            texts.append(_chain(event.step_failure_data.error))
-        elif event.event_type == dg.DagsterEventType.RESOURCE_INIT_FAILURE:
-            texts.append(_chain(event.engine_event_data.error))
-    return "\n".join(texts)
 
 
 def assert_drained(
@@ -559,43 +533,6 @@ def test_analytics_refresh_is_enqueued_once_while_queued(
 
 
 # -- 4. a failing platform raises its alert ------------------------------------------------------
-
-
-class Webhook:
-    """An HTTP server on 127.0.0.1 that records the JSON of every POST."""
-
-    def __init__(self) -> None:
-        self.posts: list[dict[str, Any]] = []
-        hook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                hook.posts.append(json.loads(body))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/tq"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-
-    def titles(self) -> list[str]:
-        return [p["title"] for p in self.posts]
-
-
-@pytest.fixture
-def webhook(monkeypatch: pytest.MonkeyPatch) -> Iterator[Webhook]:
-    for name in ("TQ_ALERT_WEBHOOK_URL", "TQ_SLACK_TOKEN", "TQ_SLACK_CHANNEL"):
-        monkeypatch.delenv(name, raising=False)
-    hook = Webhook()
-    hook.thread.start()
-    yield hook
-    hook.server.shutdown()
-    hook.server.server_close()
-    hook.thread.join()
 
 
 @pytest.fixture

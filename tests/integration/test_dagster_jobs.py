@@ -18,6 +18,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from tests.dagster_helpers import failure_text, op_metadata
 from tests.helpers import add_stores, add_tasks, assert_store_state_consistent, status_counts
 from tq_pipelines.assets import task_completion_log
 from tq_pipelines.handlers import ENTRY_POINT_GROUP, HandlerRegistryError, load_handlers
@@ -60,31 +61,6 @@ def drain(database_url: str, role: str = ROLE, **config: Any) -> dg.ExecuteInPro
     return run_job(
         drain_tasks_job, database_url, {"ops": {"drain_role_tasks": {"config": {"role": role, **config}}}}
     )
-
-
-def op_metadata(result: dg.ExecuteInProcessResult, op: str) -> dict[str, Any]:
-    """The metadata of the op's output, as plain values."""
-    [event] = [e for e in result.events_for_node(op) if e.event_type == dg.DagsterEventType.STEP_OUTPUT]
-    return {k: v.value for k, v in event.step_output_data.metadata.items()}
-
-
-def _chain(error: Any) -> str:
-    messages = []
-    while error is not None:
-        messages.append(error.message)
-        error = error.cause
-    return "\n".join(messages)
-
-
-def failure_text(result: dg.ExecuteInProcessResult) -> str:
-    """Every error message of the run's failed steps and failed resource inits, causes included."""
-    texts = []
-    for event in result.all_events:
-        if event.event_type == dg.DagsterEventType.STEP_FAILURE:
-            texts.append(_chain(event.step_failure_data.error))
-        elif event.event_type == dg.DagsterEventType.RESOURCE_INIT_FAILURE:
-            texts.append(_chain(event.engine_event_data.error))
-    return "\n".join(texts)
 
 
 def task_count(conn: psycopg.Connection) -> int:

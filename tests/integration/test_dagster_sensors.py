@@ -3,9 +3,7 @@ webhook on 127.0.0.1: how many drain runs task_queue_sensor asks for, and which 
 webhook, once each."""
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import dagster as dg
@@ -17,6 +15,7 @@ import pytest
 from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 
+from tests.dagster_helpers import Webhook
 from tests.helpers import add_stores, add_tasks
 from tq_pipelines.alerts import AlertResource
 from tq_pipelines.jobs import drain_tasks_job, generate_resync_tasks_job
@@ -26,54 +25,6 @@ from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor, r
 from tq_pipelines.sensors.queue import task_queue_sensor
 
 ROLE = "product_resync"
-
-
-# -- a real webhook -----------------------------------------------------------------------------
-
-
-class Webhook:
-    """An HTTP server on 127.0.0.1 that records the JSON of every POST."""
-
-    def __init__(self) -> None:
-        self.posts: list[dict[str, Any]] = []
-        self.refused: list[dict[str, Any]] = []
-        self.refuse_next = 0  # answer that many POSTs with 503, as a webhook that is down would
-        hook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                post = {"path": self.path, "content_type": self.headers["Content-Type"], **json.loads(body)}
-                if hook.refuse_next > 0:
-                    hook.refuse_next -= 1
-                    hook.refused.append(post)
-                    self.send_response(503)
-                else:
-                    hook.posts.append(post)
-                    self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/tq"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-
-    def titles(self) -> list[str]:
-        return [p["title"] for p in self.posts]
-
-
-@pytest.fixture
-def webhook(monkeypatch: pytest.MonkeyPatch) -> Iterator[Webhook]:
-    for name in ("TQ_ALERT_WEBHOOK_URL", "TQ_SLACK_TOKEN", "TQ_SLACK_CHANNEL"):
-        monkeypatch.delenv(name, raising=False)
-    hook = Webhook()
-    hook.thread.start()
-    yield hook
-    hook.server.shutdown()
-    hook.server.server_close()
-    hook.thread.join()
 
 
 @pytest.fixture(scope="module")
