@@ -29,6 +29,10 @@ ROLES = (
 )
 
 
+# fail_task and defer_task never push a task further than this (Retry-After included).
+MAX_DELAY_SECONDS = 86_400.0
+
+
 class QueueInputError(ValueError):
     """The queue refused an argument (unknown role, batch count out of range, ...)."""
 
@@ -350,7 +354,7 @@ def _interval(seconds: float) -> timedelta:
     day here too, rather than an overflow."""
     if math.isnan(seconds):
         raise QueueInputError("a delay must be a number of seconds, got NaN")
-    return timedelta(seconds=min(max(seconds, 0.0), 86_400.0))
+    return timedelta(seconds=min(max(seconds, 0.0), MAX_DELAY_SECONDS))
 
 
 def _jsonb(value: JSON) -> Jsonb | None:

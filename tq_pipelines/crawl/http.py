@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from tq_pipelines.queue import MAX_DELAY_SECONDS
 from tq_pipelines.worker import DeferTask, PermanentTaskError, TransientTaskError
 
 
@@ -48,28 +49,31 @@ class _Host:
         self.due = 0.0  # the rate's theoretical start of the next request (monotonic)
         self.paused_until = 0.0
 
+    def _earliest(self, now: float) -> tuple[float, float]:
+        """(the rate's due time, the earliest start) under GCRA: a burst of up to
+        ``max_in_flight`` after an idle spell, then one per interval; no start while paused.
+        Call with the lock held."""
+        interval = 1.0 / self.limits.requests_per_second
+        due = max(self.due, now)
+        start = max(now, due - interval * (self.limits.max_in_flight - 1), self.paused_until)
+        return due, start
+
     def reserve_start(self, max_wait: float) -> float | None:
-        """Take the next start the rate allows (GCRA: a burst of up to ``max_in_flight`` after an
-        idle spell, then one per interval) if it is at most ``max_wait`` away; returns the wait,
-        or None, reserving nothing, when it is further (the caller defers its task)."""
+        """Take the earliest start if it is at most ``max_wait`` away; returns the wait, or None,
+        reserving nothing, when it is further (the caller defers its task)."""
         with self.lock:
             now = time.monotonic()
-            interval = 1.0 / self.limits.requests_per_second
-            tolerance = interval * (self.limits.max_in_flight - 1)
-            due = max(self.due, now)
-            start = max(now, due - tolerance, self.paused_until)
+            due, start = self._earliest(now)
             if start - now > max_wait:
                 return None
-            self.due = max(due, start) + interval
+            self.due = max(due, start) + 1.0 / self.limits.requests_per_second
             return start - now
 
     def next_start_in(self) -> float:
         """How long until a request could start (for a deferred task's delay)."""
         with self.lock:
             now = time.monotonic()
-            interval = 1.0 / self.limits.requests_per_second
-            tolerance = interval * (self.limits.max_in_flight - 1)
-            return max(0.0, max(self.due, now) - tolerance - now, self.paused_until - now)
+            return self._earliest(now)[1] - now
 
 
 def host_key(url: str) -> str:
@@ -77,22 +81,19 @@ def host_key(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-# The queue caps a retry's delay at a day; a longer Retry-After is taken as a day.
-MAX_RETRY_AFTER_SECONDS = 86_400.0
-
-
 def retry_after_seconds(value: str | None) -> float | None:
-    """Retry-After as seconds (delta-seconds or an HTTP date), at most a day; None if unreadable."""
+    """Retry-After as seconds (delta-seconds or an HTTP date), at most the queue's longest delay
+    (a day; a longer one is taken as a day); None if unreadable."""
     if not value:
         return None
     value = value.strip()
     if value.isascii() and value.isdigit():
-        return min(float(value), MAX_RETRY_AFTER_SECONDS)
+        return min(float(value), MAX_DELAY_SECONDS)
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    return min(max(0.0, when.timestamp() - time.time()), MAX_RETRY_AFTER_SECONDS)
+    return min(max(0.0, when.timestamp() - time.time()), MAX_DELAY_SECONDS)
 
 
 class PoliteClient:
