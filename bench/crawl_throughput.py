@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.queue_throughput import recreate_db  # noqa: E402
-from tq_pipelines.crawl.simulator import PlatformProfile, Simulator  # noqa: E402
+from tq_pipelines.crawl.simulator import PlatformProfile, Simulator, platforms_toml  # noqa: E402
 from tq_pipelines.db.migrate import migrate  # noqa: E402
 from tq_pipelines.jobs import drain_tasks_job  # noqa: E402
 from tq_pipelines.queue import TaskQueue  # noqa: E402
@@ -78,12 +78,15 @@ class SimulatorProcess:
 
 
 def platforms_file(folder: Path, urls: dict[str, str], in_flight: int) -> Path:
+    """Politeness at ``in_flight`` per host, and no rate limit or timeout that could bind first."""
     path = folder / "platforms.toml"
     path.write_text(
-        "".join(
-            f'[platforms.{n}]\nbase_url = "{u}"\nmax_in_flight = {in_flight}\n'
-            "requests_per_second = 10000\ntimeout_seconds = 30\nslot_wait_seconds = 30\n\n"
-            for n, u in urls.items()
+        platforms_toml(
+            urls,
+            max_in_flight=in_flight,
+            requests_per_second=10000,
+            timeout_seconds=30,
+            slot_wait_seconds=30,
         )
     )
     return path

@@ -296,15 +296,20 @@ class Simulator:
 
     def platforms_toml(self, **overrides: Any) -> str:
         """A platforms file pointing the generic adapter at these servers."""
-        lines = []
-        for name, p in self.platforms.items():
-            lines.append(f"[platforms.{name}]")
-            lines.append(f'base_url = "{p.base_url}"')
-            lines.append(f"regions = {json.dumps(list(REGIONS))}")
-            for key, value in overrides.items():
-                lines.append(f"{key} = {json.dumps(value)}")
-            lines.append("")
-        return "\n".join(lines)
+        return platforms_toml({name: p.base_url for name, p in self.platforms.items()}, **overrides)
+
+
+def platforms_toml(base_urls: dict[str, str], **overrides: Any) -> str:
+    """A platforms file for simulated platforms at ``base_urls`` (name -> URL), every one listing
+    the simulator's regions, with ``overrides`` (setting -> value) for each."""
+    lines = []
+    for name, url in base_urls.items():
+        lines.append(f"[platforms.{name}]")
+        lines.append(f'base_url = "{url}"')
+        lines.append(f"regions = {json.dumps(list(REGIONS))}")
+        lines.extend(f"{key} = {json.dumps(value)}" for key, value in overrides.items())
+        lines.append("")
+    return "\n".join(lines)
 
 
 def demo_profiles(stores_per_platform: int = 100, seed: int = 7) -> list[PlatformProfile]:
