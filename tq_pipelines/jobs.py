@@ -10,7 +10,7 @@ from tq_pipelines.demo import enqueue_demo_resyncs
 from tq_pipelines.handlers import BUILTIN, load_handlers
 from tq_pipelines.partitions import resync_partitions_def
 from tq_pipelines.queue import ROLES
-from tq_pipelines.resources import CrawlResource, QueueResource, QueueSettingsError
+from tq_pipelines.resources import CrawlResource, QueueResource
 from tq_pipelines.worker import Worker
 
 # Every op below talks to the queue database; pools cap how many do so at once. Drains have a
@@ -36,10 +36,7 @@ def generate_resync_tasks(
 ):
     """Create the product_resync tasks of the partition's UTC day. Idempotent."""
     day = context.partition_time_window.start.date()
-    try:
-        platforms = config.platforms or sorted(crawl.settings()) or ["dutchie"]
-    except QueueSettingsError as exc:
-        raise dg.Failure(str(exc)) from exc
+    platforms = config.platforms or sorted(crawl.settings()) or ["dutchie"]
     created = tq.queue.generate_resync(day=day, batches_per_day=config.batches_per_day, platforms=platforms)
     context.log.info("created %s product_resync tasks for %s", created, day)
     return dg.Output(
@@ -121,10 +118,7 @@ def drain_role_tasks(
         raise dg.Failure(f"role {config.role!r} is not a known role ({', '.join(ROLES)})")
     handler = load_handlers()[config.role]
     with ExitStack() as stack:
-        try:
-            services = crawl.services() if config.role in HTTP_ROLES else None
-        except QueueSettingsError as exc:
-            raise dg.Failure(str(exc)) from exc  # before any task is claimed
+        services = crawl.services() if config.role in HTTP_ROLES else None  # before any claim
         if services is not None:
             stack.callback(services.close)
         elif config.role in HTTP_ROLES and handler is BUILTIN[config.role]:
@@ -192,10 +186,7 @@ def drain_tasks_job() -> None:
 @dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
 def enqueue_store_discovery_tasks(context: dg.OpExecutionContext, tq: QueueResource, crawl: CrawlResource):
     """One store_discovery task per configured platform and region (none if one is still queued)."""
-    try:
-        settings = crawl.settings()
-    except QueueSettingsError as exc:
-        raise dg.Failure(str(exc)) from exc
+    settings = crawl.settings()
     if not settings:
         raise dg.Failure("no platforms configured: set TQ_PLATFORMS_FILE (docs/PLATFORMS.md)")
     created = enqueue_store_discovery(tq.queue, settings)

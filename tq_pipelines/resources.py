@@ -90,7 +90,9 @@ class QueueResource(dg.ConfigurableResource):
 
 class CrawlResource(dg.ConfigurableResource):
     """Where the platforms are: a TOML file (docs/PLATFORMS.md). Empty falls back to
-    TQ_PLATFORMS_FILE; with neither, the HTTP roles fail their tasks saying so."""
+    TQ_PLATFORMS_FILE; with neither, drain runs of the HTTP roles' built-in handlers fail before
+    claiming. A wrong file fails the op that reads it (:class:`dagster.Failure`, naming the file
+    and the key), before any task is touched."""
 
     platforms_file: str = ""
 
@@ -106,7 +108,7 @@ class CrawlResource(dg.ConfigurableResource):
         try:
             return load_platform_settings(path)
         except PlatformSettingsError as exc:
-            raise QueueSettingsError(f"platforms_file (TQ_PLATFORMS_FILE): {exc}") from exc
+            raise dg.Failure(f"platforms_file (TQ_PLATFORMS_FILE): {exc}") from exc
 
     def services(self) -> CrawlServices | None:
         """A fresh HTTP client and adapters for one run; the caller closes it."""
@@ -116,4 +118,4 @@ class CrawlResource(dg.ConfigurableResource):
         try:
             return CrawlServices(settings)
         except PlatformSettingsError as exc:  # an adapter that cannot be loaded
-            raise QueueSettingsError(f"platforms_file (TQ_PLATFORMS_FILE) {self.path()}: {exc}") from exc
+            raise dg.Failure(f"platforms_file (TQ_PLATFORMS_FILE) {self.path()}: {exc}") from exc
