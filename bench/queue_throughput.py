@@ -1,6 +1,7 @@
 """Queue throughput: claim -> start -> complete of no-op tasks, against pgbench on the same server.
 
     python bench/queue_throughput.py [--url URL] [--workers 1,4,16] [--tasks 20000]
+                                     [--before 0006]
 
 Each worker is its own process with its own connection. Modes: ``single`` (claim_task,
 start_task, complete_task: three calls per task), ``batch`` (claim_tasks of --batch, start_tasks,
@@ -9,6 +10,10 @@ claim_tasks with start, then complete_tasks: two calls and two row updates per t
 Layouts: ``adjacent`` (a store's tasks consecutive in claim order, the hard case) and
 ``interleaved``. The pgbench figure is single-row UPDATE transactions per
 second at 16 clients, measured in the same run; the ratio is tasks/s over that TPS.
+
+``--before VERSION`` also builds a database with the migrations before VERSION only (the queue
+as it was) and runs every case on both, one after the other, so that a change's cost is
+measured in one run. The tasks' platform has no limits: this is the bare queue.
 """
 
 import argparse
@@ -28,7 +33,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tq_pipelines.db.migrate import migrate
+from tq_pipelines.db.migrate import load_migrations, migrate
 from tq_pipelines.queue import TaskQueue
 from tq_pipelines.worker import Worker
 
@@ -106,7 +111,16 @@ def _worker(url: str, mode: str, batch: int, n: int, barrier, out) -> None:  # t
         elif mode == "batch":
             done, claims = _batch(queue, worker_id, batch)
         else:
-            stats = Worker(queue, ROLE, lambda task, ctx: None, worker_id=worker_id, batch_size=batch).run()
+            # platform_wait_seconds=0: an older schema has no claim_wait; the queue empties anyway.
+            worker = Worker(
+                queue,
+                ROLE,
+                lambda task, ctx: None,
+                worker_id=worker_id,
+                batch_size=batch,
+                platform_wait_seconds=0,
+            )
+            stats = worker.run()
             done, claims = stats.completed, stats.claims
         out.put((done, claims, time.monotonic()))
 
@@ -184,31 +198,38 @@ def main() -> None:
     parser.add_argument("--stores", type=int, default=200)
     parser.add_argument("--batch", type=int, default=50, help="tasks per claim (the Worker default)")
     parser.add_argument("--pgbench-seconds", type=int, default=10)
+    parser.add_argument(
+        "--before", default="", help="also measure the schema as it was before this migration version"
+    )
     args = parser.parse_args()
 
     tps = run_pgbench(args.url, args.pgbench_seconds)
     print(f"pgbench single-row UPDATE, 16 clients: {tps:,.0f} TPS\n")
-    url = recreate_db(args.url, BENCH_DB)
-    migrate(url)
-    print("| layout | mode | workers | tasks | claim calls | seconds | tasks/s | x pgbench TPS |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    schemas = {"now": recreate_db(args.url, BENCH_DB)}
+    migrate(schemas["now"])
+    if args.before:
+        schemas[f"before {args.before}"] = recreate_db(args.url, BENCH_DB + "_before")
+        migrate(schemas[f"before {args.before}"], [m for m in load_migrations() if m.version < args.before])
+    print("| schema | layout | mode | workers | tasks | claim calls | seconds | tasks/s | x pgbench TPS |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for layout in args.layouts.split(","):
         for mode in args.modes.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
-                load(url, args.tasks, args.stores, layout)
-                done, claims, seconds = run_queue(url, workers, mode, args.batch)
-                assert done == args.tasks, f"{done} of {args.tasks} completed"
-                rate = done / seconds
-                label = {
-                    "single": "single",
-                    "batch": f"batch {args.batch}",
-                    "worker": f"Worker, batch {args.batch}",
-                }[mode]
-                print(
-                    f"| {layout} | {label} | {workers} | {done} | {claims} | {seconds:.2f} | {rate:,.0f} "
-                    f"| {rate / tps:.2f} |",
-                    flush=True,
-                )
+                for schema, url in schemas.items():
+                    load(url, args.tasks, args.stores, layout)
+                    done, claims, seconds = run_queue(url, workers, mode, args.batch)
+                    assert done == args.tasks, f"{done} of {args.tasks} completed"
+                    rate = done / seconds
+                    label = {
+                        "single": "single",
+                        "batch": f"batch {args.batch}",
+                        "worker": f"Worker, batch {args.batch}",
+                    }[mode]
+                    print(
+                        f"| {schema} | {layout} | {label} | {workers} | {done} | {claims} | {seconds:.2f} "
+                        f"| {rate:,.0f} | {rate / tps:.2f} |",
+                        flush=True,
+                    )
     tps_after = run_pgbench(args.url, args.pgbench_seconds)
     print(f"\npgbench again after the runs: {tps_after:,.0f} TPS")
 

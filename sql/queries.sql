@@ -116,12 +116,43 @@ SELECT 1 FROM pg_database WHERE datname = %(name)s;
 CREATE DATABASE {name};
 
 -- name: claimable_now
--- Per role: ready tasks, and how many a claim could take right now (idle stores with due work,
--- plus due store-less tasks). Busy stores' tasks are ready but not claimable.
+-- Per role: ready tasks, and how many a claim could take right now: idle stores with due work
+-- and due store-less tasks, per platform no more than the platform has room for (none while it
+-- is paused, one probe while half-open). Busy stores' tasks are ready but not claimable.
+WITH room AS (
+  SELECT
+    l.platform,
+    CASE
+      WHEN l.paused_until > now() THEN 0
+      WHEN l.pauses > 0 THEN
+        CASE WHEN l.probe_task_id IS NULL AND l.in_flight < l.max_in_flight THEN 1 ELSE 0 END
+      ELSE greatest(l.max_in_flight - l.in_flight, 0)
+    END AS free
+  FROM tq_platforms l
+),
+due AS (
+  SELECT h.role, h.platform, count(*) AS n
+  FROM worker_task_heads h
+  JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+  WHERE h.due_at <= now() AND s.active_task_id IS NULL
+  GROUP BY h.role, h.platform
+  UNION ALL
+  SELECT role, coalesce(platform, ''), count(*)
+  FROM worker_tasks
+  WHERE status = 'pending' AND due_at <= now() AND dispensary_id IS NULL
+  GROUP BY role, coalesce(platform, '')
+),
+claimable AS (
+  SELECT d.role, sum(CASE WHEN r.platform IS NULL THEN d.n ELSE least(d.n, r.free) END) AS n
+  FROM due d
+  LEFT JOIN room r ON r.platform = d.platform
+  GROUP BY d.role
+)
 SELECT r.role,
        coalesce(ready.n, 0) AS ready,
-       coalesce(stores.n, 0) + coalesce(loose.n, 0) AS claimable
+       coalesce(c.n, 0)::BIGINT AS claimable
 FROM worker_task_roles r
+LEFT JOIN claimable c ON c.role = r.role
 LEFT JOIN (
   -- one branch per partial pending index, as in v_worker_capacity
   SELECT role, count(*) AS n
@@ -134,18 +165,6 @@ LEFT JOIN (
   ) due
   GROUP BY role
 ) ready ON ready.role = r.role
-LEFT JOIN (
-  SELECT h.role, count(*) AS n
-  FROM worker_task_heads h
-  JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
-  WHERE h.due_at <= now() AND s.active_task_id IS NULL
-  GROUP BY h.role
-) stores ON stores.role = r.role
-LEFT JOIN (
-  SELECT role, count(*) AS n FROM worker_tasks
-  WHERE status = 'pending' AND due_at <= now() AND dispensary_id IS NULL
-  GROUP BY role
-) loose ON loose.role = r.role
 ORDER BY r.role;
 
 -- name: task_still_owned
@@ -155,6 +174,24 @@ SELECT 1 AS owned
 FROM worker_tasks
 WHERE id = %(task_id)s AND worker_id = %(worker_id)s AND status IN ('claimed', 'running')
 FOR SHARE;
+
+-- name: sync_platform_limits
+SELECT sync_platform_limits(%(limits)s) AS changed;
+
+-- name: platform_request
+SELECT decision, wait_seconds FROM platform_request(%(task_id)s, %(worker_id)s, %(first)s);
+
+-- name: platform_error
+SELECT paused, wait_seconds FROM platform_error(%(platform)s, %(task_id)s, %(error)s, %(retry_after)s);
+
+-- name: claim_wait
+SELECT claim_wait(%(role)s) AS wait;
+
+-- name: platform_status
+SELECT * FROM v_platform_status ORDER BY platform;
+
+-- name: repair_platform_counters
+SELECT platform, counted, in_flight, probe_cleared FROM repair_platform_counters();
 
 -- name: upsert_listed_stores
 SELECT * FROM upsert_listed_stores(%(platform)s, %(stores)s);

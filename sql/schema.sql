@@ -52,6 +52,7 @@ CREATE TABLE public.worker_tasks (
     resync_date date,
     due_at timestamp with time zone GENERATED ALWAYS AS (COALESCE(scheduled_for, created_at)) STORED,
     payload jsonb DEFAULT '{}'::jsonb NOT NULL,
+    send_at timestamp with time zone,
     CONSTRAINT payload_is_object CHECK ((jsonb_typeof(payload) = 'object'::text)),
     CONSTRAINT valid_retries CHECK (((retry_count >= 0) AND (max_retries >= 0))),
     CONSTRAINT valid_status CHECK (((status)::text = ANY ((ARRAY['pending'::character varying, 'claimed'::character varying, 'running'::character varying, 'completed'::character varying, 'failed'::character varying, 'cancelled'::character varying])::text[])))
@@ -98,7 +99,11 @@ CREATE FUNCTION public.claim_tasks(p_role character varying, p_worker_id charact
     AS $$
 DECLARE
   v_want INTEGER := p_max_tasks;
+  v_work VARCHAR[];
+  v_platforms VARCHAR[];
+  v_quotas INTEGER[];
   v_stores INTEGER[];
+  v_store_platforms VARCHAR[];
   v_loose INTEGER[];
   v_skip INTEGER[] := '{}';
   v_claimed INTEGER;
@@ -126,64 +131,135 @@ BEGIN
     PERFORM tq_refresh_heads(v_stores, array_fill(p_role, ARRAY[cardinality(v_stores)]));
   END IF;
 
+  -- The platforms with pending work of this role ('' for none): skip scans of the heads and of
+  -- store-less tasks, one index probe per platform.
+  WITH RECURSIVE heads (platform) AS (
+    (SELECT h.platform FROM worker_task_heads h WHERE h.role = p_role ORDER BY h.platform LIMIT 1)
+    UNION ALL
+    SELECT (SELECT h.platform FROM worker_task_heads h
+            WHERE h.role = p_role AND h.platform > x.platform
+            ORDER BY h.platform LIMIT 1)
+    FROM heads x
+    WHERE x.platform IS NOT NULL
+  ),
+  loose (platform) AS (
+    (SELECT coalesce(t.platform, '') FROM worker_tasks t
+     WHERE t.role = p_role AND t.status = 'pending' AND t.dispensary_id IS NULL
+     ORDER BY coalesce(t.platform, '') LIMIT 1)
+    UNION ALL
+    SELECT (SELECT coalesce(t.platform, '') FROM worker_tasks t
+            WHERE t.role = p_role AND t.status = 'pending' AND t.dispensary_id IS NULL
+              AND coalesce(t.platform, '') > x.platform
+            ORDER BY coalesce(t.platform, '') LIMIT 1)
+    FROM loose x
+    WHERE x.platform IS NOT NULL
+  )
+  SELECT array_agg(DISTINCT w.platform ORDER BY w.platform)
+  INTO v_work
+  FROM (SELECT platform FROM heads UNION ALL SELECT platform FROM loose) w
+  WHERE w.platform IS NOT NULL;
+
+  IF v_work IS NULL THEN
+    PERFORM tq_require_role(p_role);
+    RETURN;
+  END IF;
+
+  -- The limited platforms among them, locked in platform order (every locker of several
+  -- platform rows takes them in this order). Claims of one platform queue here; that is what
+  -- makes its limits exact.
+  PERFORM 1
+  FROM tq_platforms l
+  WHERE l.platform = ANY (v_work)
+  ORDER BY l.platform
+  FOR UPDATE;
+
   -- A store picked below can come back empty only when its best task is locked by another
   -- writer (a cancel); try again without it rather than return less than is due. Each pass
   -- leaves out at least one more store, so the loop ends.
   LOOP
-    -- Idle stores with due work, from the heads, and store-less tasks, best first overall.
-    -- Locking the store row serialises the claims of one store: a claim that loses the race
-    -- skips the store instead of tripping over idx_worker_tasks_unique_active_store.
-    WITH by_store AS (
-      SELECT h.priority, h.due_at, h.dispensary_id, NULL::INTEGER AS task_id
-      FROM worker_task_heads h
-      JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
-      WHERE h.role = p_role
-        AND h.due_at <= now()
-        AND s.active_task_id IS NULL
-        AND h.dispensary_id <> ALL (v_skip)
-      ORDER BY h.priority DESC, h.due_at, h.dispensary_id
-      LIMIT v_want
-      FOR UPDATE OF s SKIP LOCKED
+    SELECT
+      array_agg(w.platform),
+      array_agg(CASE WHEN l.platform IS NULL THEN p_max_tasks ELSE tq_platform_quota(l) END)
+    INTO v_platforms, v_quotas
+    FROM unnest(v_work) AS w (platform)
+    LEFT JOIN tq_platforms l ON l.platform = w.platform;
+
+    -- Per platform with room, its best idle stores with due work (from the heads) and its best
+    -- store-less tasks; then the platforms take turns: every platform's first, then every
+    -- platform's second, ... Locking the store row serialises the claims of one store.
+    WITH room AS (
+      SELECT r.platform, least(r.quota, v_want) AS quota
+      FROM unnest(v_platforms, v_quotas) AS r (platform, quota)
+      WHERE r.quota > 0
+    ),
+    by_store AS (
+      SELECT c.*
+      FROM room r
+      CROSS JOIN LATERAL (
+        SELECT h.priority, h.due_at, h.dispensary_id, NULL::INTEGER AS task_id, h.platform
+        FROM worker_task_heads h
+        JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+        WHERE h.role = p_role
+          AND h.platform = r.platform
+          AND h.due_at <= now()
+          AND s.active_task_id IS NULL
+          AND h.dispensary_id <> ALL (v_skip)
+        ORDER BY h.priority DESC, h.due_at, h.dispensary_id
+        LIMIT r.quota
+        FOR UPDATE OF s SKIP LOCKED
+      ) c
     ),
     loose AS (
-      SELECT t.priority, t.due_at, NULL::INTEGER AS dispensary_id, t.id AS task_id
-      FROM worker_tasks t
-      WHERE t.role = p_role
-        AND t.status = 'pending'
-        AND t.dispensary_id IS NULL
-        AND t.due_at <= now()
-      ORDER BY t.priority DESC, t.due_at, t.id
-      LIMIT v_want
-      FOR UPDATE OF t SKIP LOCKED
+      SELECT c.*
+      FROM room r
+      CROSS JOIN LATERAL (
+        SELECT t.priority, t.due_at, NULL::INTEGER AS dispensary_id, t.id AS task_id, r.platform
+        FROM worker_tasks t
+        WHERE t.role = p_role
+          AND coalesce(t.platform, '') = r.platform
+          AND t.status = 'pending'
+          AND t.dispensary_id IS NULL
+          AND t.due_at <= now()
+        ORDER BY t.priority DESC, t.due_at, t.id
+        LIMIT r.quota
+        FOR UPDATE OF t SKIP LOCKED
+      ) c
+    ),
+    turns AS (
+      SELECT
+        b.*,
+        row_number() OVER (PARTITION BY b.platform ORDER BY b.priority DESC, b.due_at) AS turn
+      FROM (SELECT * FROM by_store UNION ALL SELECT * FROM loose) b
     ),
     best AS (
-      SELECT * FROM by_store
-      UNION ALL
-      SELECT * FROM loose
-      ORDER BY priority DESC, due_at
+      SELECT t.*
+      FROM turns t
+      JOIN room r ON r.platform = t.platform
+      WHERE t.turn <= r.quota
+      ORDER BY t.turn, t.priority DESC, t.due_at, t.platform
       LIMIT v_want
     )
     SELECT
       array_agg(dispensary_id) FILTER (WHERE dispensary_id IS NOT NULL),
+      array_agg(platform) FILTER (WHERE dispensary_id IS NOT NULL),
       array_agg(task_id) FILTER (WHERE task_id IS NOT NULL)
-    INTO v_stores, v_loose
+    INTO v_stores, v_store_platforms, v_loose
     FROM best;
 
     IF v_stores IS NULL AND v_loose IS NULL THEN
-      IF cardinality(v_skip) = 0 THEN
-        -- Checked here, off the hot path: an unknown role is an error, not an empty queue.
-        PERFORM tq_require_role(p_role);
-      END IF;
       RETURN;
     END IF;
 
-    -- The statement trigger marks the stores busy and re-derives their heads.
+    -- Each task of a limited platform gets its first request's start from the platform's GCRA,
+    -- in turn order (base = max(tat, now); start i = max(now, base + i/rate - (burst-1)/rate)),
+    -- and the platform's tat moves past them. The statement triggers mark the stores busy,
+    -- re-derive their heads and count the platforms' new tasks in flight.
     RETURN QUERY
     WITH picked AS (
-      SELECT t.id
-      FROM unnest(v_stores) AS s (dispensary_id)
+      SELECT t.id, t.priority, t.due_at, coalesce(t.platform, '') AS platform
+      FROM unnest(v_stores, v_store_platforms) AS s (dispensary_id, platform)
       CROSS JOIN LATERAL (
-        SELECT t.id
+        SELECT t.id, t.priority, t.due_at, t.platform
         FROM worker_tasks t
         WHERE t.dispensary_id = s.dispensary_id
           AND t.role = p_role
@@ -193,8 +269,35 @@ BEGIN
         LIMIT 1
         FOR UPDATE OF t SKIP LOCKED
       ) t
+      WHERE coalesce(t.platform, '') = s.platform
       UNION ALL
-      SELECT unnest(v_loose)
+      SELECT t.id, t.priority, t.due_at, coalesce(t.platform, '')
+      FROM worker_tasks t
+      WHERE t.id = ANY (v_loose)
+    ),
+    timed AS (
+      SELECT
+        p.id,
+        p.platform,
+        CASE WHEN l.platform IS NOT NULL THEN
+          greatest(
+            now(),
+            greatest(l.tat, now())
+              + make_interval(secs => ((row_number() OVER (PARTITION BY p.platform
+                                                           ORDER BY p.priority DESC, p.due_at, p.id) - 1)
+                                       - (l.burst - 1)) / l.requests_per_second))
+        END AS send_at
+      FROM picked p
+      LEFT JOIN tq_platforms l ON l.platform = p.platform
+    ),
+    paced AS (
+      UPDATE tq_platforms l
+      SET tat = greatest(l.tat, now()) + make_interval(secs => c.n / l.requests_per_second),
+          -- A half-open platform's one task is its probe.
+          probe_task_id = CASE WHEN l.pauses > 0 THEN c.first_id ELSE l.probe_task_id END,
+          updated_at = now()
+      FROM (SELECT m.platform, count(*) AS n, min(m.id) AS first_id FROM timed m GROUP BY m.platform) c
+      WHERE l.platform = c.platform
     ),
     claimed AS (
       UPDATE worker_tasks t
@@ -203,13 +306,14 @@ BEGIN
           claimed_at = now(),
           started_at = CASE WHEN p_start THEN now() END,
           completed_at = NULL,
+          send_at = m.send_at,
           -- A fresh lease: a recovered task's old heartbeat must not count against its new owner.
           last_heartbeat_at = now()
-      FROM picked p
-      WHERE t.id = p.id
+      FROM timed m
+      WHERE t.id = m.id
       RETURNING t.*
     )
-    SELECT * FROM claimed c ORDER BY c.priority DESC, c.due_at, c.id;
+    SELECT * FROM claimed c ORDER BY c.send_at NULLS FIRST, c.priority DESC, c.due_at, c.id;
 
     GET DIAGNOSTICS v_claimed = ROW_COUNT;
     v_want := v_want - v_claimed;
@@ -235,7 +339,36 @@ $$;
 -- Name: FUNCTION claim_tasks(p_role character varying, p_worker_id character varying, p_max_tasks integer, p_start boolean); Type: COMMENT; Schema: public; Owner: -
 --
 
-COMMENT ON FUNCTION public.claim_tasks(p_role character varying, p_worker_id character varying, p_max_tasks integer, p_start boolean) IS 'Claim (and, with p_start, start) up to N due tasks of a role, at most one per store';
+COMMENT ON FUNCTION public.claim_tasks(p_role character varying, p_worker_id character varying, p_max_tasks integer, p_start boolean) IS 'Claim (and, with p_start, start) up to N due tasks of a role, at most one per store, within each platform''s limits';
+
+
+--
+-- Name: claim_wait(character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.claim_wait(p_role character varying) RETURNS double precision
+    LANGUAGE sql STABLE
+    AS $$
+  WITH due AS (
+    SELECT DISTINCT h.platform
+    FROM worker_task_heads h
+    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+    WHERE h.role = p_role AND h.due_at <= now() AND s.active_task_id IS NULL
+    UNION
+    SELECT DISTINCT coalesce(t.platform, '')
+    FROM worker_tasks t
+    WHERE t.role = p_role AND t.status = 'pending' AND t.dispensary_id IS NULL AND t.due_at <= now()
+  )
+  SELECT min(CASE
+    WHEN l.platform IS NULL THEN 0
+    WHEN l.paused_until > now() THEN extract(EPOCH FROM l.paused_until - now())
+    WHEN l.pauses > 0 AND l.probe_task_id IS NOT NULL THEN 0.5
+    WHEN l.in_flight >= l.max_in_flight THEN 0.25
+    ELSE greatest(extract(EPOCH FROM greatest(l.tat, now()) - now()) - (l.burst - 1) / l.requests_per_second - 1, 0)
+  END)::DOUBLE PRECISION
+  FROM due d
+  LEFT JOIN tq_platforms l ON l.platform = d.platform;
+$$;
 
 
 --
@@ -554,6 +687,130 @@ $$;
 
 
 --
+-- Name: platform_error(character varying, integer, text, interval); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.platform_error(p_platform character varying, p_task_id integer, p_error text, p_retry_after interval DEFAULT NULL::interval) RETURNS TABLE(paused boolean, wait_seconds double precision)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  l tq_platforms;
+  v_error TEXT := left(coalesce(nullif(p_error, ''), 'unknown error'), 1000);
+  -- NULL when the server said nothing (greatest and least would turn a NULL into a bound).
+  v_after DOUBLE PRECISION := CASE
+    WHEN p_retry_after IS NOT NULL THEN least(greatest(extract(EPOCH FROM p_retry_after), 0), 86400)
+  END;
+  v_for DOUBLE PRECISION;
+BEGIN
+  SELECT * INTO l FROM tq_platforms p WHERE p.platform = p_platform FOR UPDATE;
+  IF NOT FOUND THEN
+    RETURN QUERY SELECT false, 0::DOUBLE PRECISION;
+    RETURN;
+  END IF;
+
+  IF l.paused_until > now() THEN
+    UPDATE tq_platforms p
+    SET errors_total = p.errors_total + 1, last_error = v_error, last_error_at = now(), updated_at = now()
+    WHERE p.platform = p_platform;
+    RETURN QUERY SELECT true, extract(EPOCH FROM l.paused_until - now())::DOUBLE PRECISION;
+    RETURN;
+  END IF;
+
+  IF v_after IS NULL
+     AND l.error_streak + 1 < l.pause_after_errors
+     AND NOT (l.pauses > 0 AND l.probe_task_id = p_task_id) THEN
+    UPDATE tq_platforms p
+    SET error_streak = p.error_streak + 1,
+        errors_total = p.errors_total + 1,
+        last_error = v_error,
+        last_error_at = now(),
+        updated_at = now()
+    WHERE p.platform = p_platform;
+    RETURN QUERY SELECT false, 0::DOUBLE PRECISION;
+    RETURN;
+  END IF;
+
+  v_for := least(
+    l.max_pause_seconds,
+    greatest(
+      coalesce(v_after, 0),
+      CASE WHEN l.pauses = 0 AND v_after IS NOT NULL THEN 0
+           ELSE l.pause_seconds * power(2, least(l.pauses, 30)) END));
+  UPDATE tq_platforms p
+  SET paused_until = now() + make_interval(secs => v_for),
+      pause_reason = v_error,
+      pauses = p.pauses + 1,
+      probe_task_id = NULL,
+      error_streak = 0,
+      errors_total = p.errors_total + 1,
+      last_error = v_error,
+      last_error_at = now(),
+      updated_at = now()
+  WHERE p.platform = p_platform;
+  RETURN QUERY SELECT true, v_for;
+END;
+$$;
+
+
+--
+-- Name: platform_request(integer, character varying, boolean); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.platform_request(p_task_id integer, p_worker_id character varying, p_first boolean) RETURNS TABLE(decision text, wait_seconds double precision)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_platform VARCHAR;
+  v_send_at TIMESTAMPTZ;
+  l tq_platforms;
+  v_base TIMESTAMPTZ;
+BEGIN
+  SELECT t.platform, t.send_at INTO v_platform, v_send_at
+  FROM worker_tasks t
+  WHERE t.id = p_task_id
+    AND t.worker_id = p_worker_id
+    AND t.status IN ('claimed', 'running');
+  IF NOT FOUND THEN
+    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION;
+    RETURN;
+  END IF;
+
+  IF coalesce(p_first, true) THEN
+    SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_platform;
+  ELSE
+    SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_platform FOR UPDATE;
+  END IF;
+  IF NOT FOUND THEN
+    RETURN QUERY SELECT 'go'::TEXT, 0::DOUBLE PRECISION;
+    RETURN;
+  END IF;
+  IF l.paused_until > now() THEN
+    RETURN QUERY SELECT 'paused'::TEXT, extract(EPOCH FROM l.paused_until - now())::DOUBLE PRECISION;
+    RETURN;
+  END IF;
+  IF l.pauses > 0 AND l.probe_task_id IS DISTINCT FROM p_task_id THEN
+    RETURN QUERY SELECT 'paused'::TEXT, l.pause_seconds;
+    RETURN;
+  END IF;
+
+  IF coalesce(p_first, true) AND v_send_at IS NOT NULL THEN
+    RETURN QUERY SELECT 'go'::TEXT, greatest(extract(EPOCH FROM v_send_at - now()), 0)::DOUBLE PRECISION;
+    RETURN;
+  END IF;
+
+  -- A further request (or a task claimed before its platform had limits): the next start.
+  v_base := greatest(l.tat, now());
+  UPDATE tq_platforms p
+  SET tat = v_base + make_interval(secs => 1 / p.requests_per_second)
+  WHERE p.platform = v_platform;
+  RETURN QUERY SELECT
+    'go'::TEXT,
+    greatest(extract(EPOCH FROM v_base - now()) - (l.burst - 1) / l.requests_per_second, 0)::DOUBLE PRECISION;
+END;
+$$;
+
+
+--
 -- Name: recover_stale_tasks(integer); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -780,6 +1037,56 @@ $$;
 
 
 --
+-- Name: repair_platform_counters(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.repair_platform_counters() RETURNS TABLE(platform character varying, counted integer, in_flight integer, probe_cleared boolean)
+    LANGUAGE plpgsql
+    AS $$
+#variable_conflict use_column
+BEGIN
+  PERFORM 1 FROM tq_platforms l ORDER BY l.platform FOR UPDATE;
+  RETURN QUERY
+  WITH actual AS (
+    SELECT t.platform, count(*)::INTEGER AS n
+    FROM worker_tasks t
+    WHERE t.id IN (
+        SELECT a.id FROM worker_tasks a
+        WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NOT NULL
+        UNION ALL
+        SELECT a.id FROM worker_tasks a
+        WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NULL)
+      AND t.status IN ('claimed', 'running')
+    GROUP BY t.platform
+  ),
+  wrong AS (
+    SELECT
+      l.platform,
+      l.in_flight AS counted,
+      coalesce(a.n, 0) AS n,
+      l.probe_task_id IS NOT NULL AND NOT EXISTS (
+        SELECT 1 FROM worker_tasks t
+        WHERE t.id = l.probe_task_id AND t.status IN ('claimed', 'running') AND t.platform = l.platform
+      ) AS stale_probe
+    FROM tq_platforms l
+    LEFT JOIN actual a ON a.platform = l.platform
+  ),
+  fixed AS (
+    UPDATE tq_platforms l
+    SET in_flight = w.n,
+        probe_task_id = CASE WHEN w.stale_probe THEN NULL ELSE l.probe_task_id END,
+        updated_at = now()
+    FROM wrong w
+    WHERE l.platform = w.platform
+      AND (w.counted <> w.n OR w.stale_probe)
+    RETURNING l.platform, w.counted, w.n, w.stale_probe
+  )
+  SELECT f.platform, f.counted, f.n, f.stale_probe FROM fixed f ORDER BY f.platform;
+END;
+$$;
+
+
+--
 -- Name: start_task(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -949,6 +1256,74 @@ $$;
 
 
 --
+-- Name: sync_platform_limits(jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.sync_platform_limits(p_limits jsonb) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_changed INTEGER;
+  v_bad TEXT;
+BEGIN
+  IF p_limits IS NULL OR jsonb_typeof(p_limits) <> 'array' THEN
+    RAISE EXCEPTION 'platform limits must be a JSON array of objects' USING ERRCODE = '22023';
+  END IF;
+  SELECT string_agg(coalesce(quote_literal(b.platform), 'NULL'), ', ') INTO v_bad
+  FROM (
+    SELECT x.platform
+    FROM jsonb_to_recordset(p_limits) AS x (platform TEXT)
+    GROUP BY x.platform
+    HAVING x.platform IS NULL OR x.platform = '' OR count(*) > 1
+  ) b;
+  IF v_bad IS NOT NULL THEN
+    RAISE EXCEPTION 'each platform needs a non-empty name, once: %', v_bad USING ERRCODE = '22023';
+  END IF;
+
+  INSERT INTO tq_platforms AS l (
+    platform, max_in_flight, requests_per_second, burst, pause_after_errors, pause_seconds,
+    max_pause_seconds, in_flight)
+  SELECT
+    x.platform,
+    x.max_in_flight,
+    x.requests_per_second,
+    coalesce(x.burst, x.max_in_flight),
+    coalesce(x.pause_after_errors, 5),
+    coalesce(x.pause_seconds, 5),
+    coalesce(x.max_pause_seconds, 600),
+    (SELECT count(*)
+     FROM worker_tasks t
+     WHERE t.id IN (
+         SELECT a.id FROM worker_tasks a
+         WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NOT NULL
+         UNION ALL
+         SELECT a.id FROM worker_tasks a
+         WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NULL)
+       AND t.platform = x.platform
+       AND t.status IN ('claimed', 'running'))
+  FROM jsonb_to_recordset(p_limits) AS x (
+    platform TEXT, max_in_flight INTEGER, requests_per_second DOUBLE PRECISION, burst INTEGER,
+    pause_after_errors INTEGER, pause_seconds DOUBLE PRECISION, max_pause_seconds DOUBLE PRECISION)
+  ORDER BY x.platform
+  ON CONFLICT (platform) DO UPDATE
+  SET max_in_flight = excluded.max_in_flight,
+      requests_per_second = excluded.requests_per_second,
+      burst = excluded.burst,
+      pause_after_errors = excluded.pause_after_errors,
+      pause_seconds = excluded.pause_seconds,
+      max_pause_seconds = excluded.max_pause_seconds,
+      updated_at = now()
+  WHERE (l.max_in_flight, l.requests_per_second, l.burst, l.pause_after_errors, l.pause_seconds,
+         l.max_pause_seconds)
+    IS DISTINCT FROM (excluded.max_in_flight, excluded.requests_per_second, excluded.burst,
+                      excluded.pause_after_errors, excluded.pause_seconds, excluded.max_pause_seconds);
+  GET DIAGNOSTICS v_changed = ROW_COUNT;
+  RETURN v_changed;
+END;
+$$;
+
+
+--
 -- Name: tq_lock_and_refresh(integer[], character varying[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -965,6 +1340,112 @@ BEGIN
   ORDER BY s.dispensary_id
   FOR UPDATE;
   PERFORM tq_refresh_heads(p_stores, p_roles);
+END;
+$$;
+
+
+--
+-- Name: tq_platforms; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.tq_platforms (
+    platform character varying(50) NOT NULL,
+    max_in_flight integer NOT NULL,
+    requests_per_second double precision NOT NULL,
+    burst integer NOT NULL,
+    pause_after_errors integer DEFAULT 5 NOT NULL,
+    pause_seconds double precision DEFAULT 5 NOT NULL,
+    max_pause_seconds double precision DEFAULT 600 NOT NULL,
+    in_flight integer DEFAULT 0 NOT NULL,
+    tat timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL,
+    paused_until timestamp with time zone,
+    pause_reason text,
+    pauses integer DEFAULT 0 NOT NULL,
+    probe_task_id integer,
+    error_streak integer DEFAULT 0 NOT NULL,
+    errors_total bigint DEFAULT 0 NOT NULL,
+    last_error text,
+    last_error_at timestamp with time zone,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT tq_platforms_burst_check CHECK (((burst >= 1) AND (burst <= 10000))),
+    CONSTRAINT tq_platforms_check CHECK (((max_pause_seconds <= (86400)::double precision) AND (max_pause_seconds >= pause_seconds))),
+    CONSTRAINT tq_platforms_error_streak_check CHECK ((error_streak >= 0)),
+    CONSTRAINT tq_platforms_in_flight_check CHECK ((in_flight >= 0)),
+    CONSTRAINT tq_platforms_max_in_flight_check CHECK (((max_in_flight >= 1) AND (max_in_flight <= 10000))),
+    CONSTRAINT tq_platforms_pause_after_errors_check CHECK (((pause_after_errors >= 1) AND (pause_after_errors <= 1000))),
+    CONSTRAINT tq_platforms_pause_seconds_check CHECK (((pause_seconds >= (0.1)::double precision) AND (pause_seconds <= (86400)::double precision))),
+    CONSTRAINT tq_platforms_pauses_check CHECK ((pauses >= 0)),
+    CONSTRAINT tq_platforms_platform_check CHECK (((platform)::text <> ''::text)),
+    CONSTRAINT tq_platforms_requests_per_second_check CHECK (((requests_per_second >= (0.001)::double precision) AND (requests_per_second <= (10000)::double precision)))
+)
+WITH (fillfactor='50');
+
+
+--
+-- Name: TABLE tq_platforms; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON TABLE public.tq_platforms IS 'Per-platform politeness limits shared by every claimer, and their live state (kept by the queue)';
+
+
+--
+-- Name: tq_platform_quota(public.tq_platforms); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_platform_quota(l public.tq_platforms) RETURNS integer
+    LANGUAGE sql STABLE
+    AS $$
+  SELECT CASE
+    WHEN l.paused_until > now() THEN 0
+    WHEN l.pauses > 0 THEN
+      CASE WHEN l.probe_task_id IS NULL AND l.in_flight < l.max_in_flight THEN 1 ELSE 0 END
+    ELSE greatest(0, least(
+      l.max_in_flight - l.in_flight,
+      -- starts s_i = max(now, base + i*T - tau) with s_i <= now + 1 s
+      floor((1.0 + (l.burst - 1) / l.requests_per_second
+             - extract(EPOCH FROM greatest(l.tat, now()) - now())) * l.requests_per_second)::INTEGER + 1))
+  END;
+$$;
+
+
+--
+-- Name: tq_platforms_apply(character varying[], integer[], integer[], character varying[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_platforms_apply(p_platforms character varying[], p_deltas integer[], p_task_ids integer[], p_outcomes character varying[]) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  IF p_platforms IS NULL THEN
+    RETURN;
+  END IF;
+  PERFORM 1
+  FROM tq_platforms l
+  WHERE l.platform = ANY (p_platforms)
+  ORDER BY l.platform
+  FOR UPDATE;
+  IF NOT FOUND THEN
+    RETURN;  -- none of these platforms is limited
+  END IF;
+
+  UPDATE tq_platforms l
+  SET in_flight = greatest(l.in_flight + c.delta, 0),
+      error_streak = CASE WHEN c.completed > 0 THEN 0 ELSE l.error_streak END,
+      pauses = CASE WHEN l.probe_task_id = ANY (c.answered) THEN 0 ELSE l.pauses END,
+      paused_until = CASE WHEN l.probe_task_id = ANY (c.answered) THEN NULL ELSE l.paused_until END,
+      probe_task_id = CASE WHEN l.probe_task_id = ANY (c.released) THEN NULL ELSE l.probe_task_id END,
+      updated_at = now()
+  FROM (
+    SELECT
+      x.platform,
+      sum(x.delta)::INTEGER AS delta,
+      count(*) FILTER (WHERE x.outcome = 'completed') AS completed,
+      coalesce(array_agg(x.task_id) FILTER (WHERE x.delta < 0), '{}') AS released,
+      coalesce(array_agg(x.task_id) FILTER (WHERE x.outcome IN ('completed', 'failed')), '{}') AS answered
+    FROM unnest(p_platforms, p_deltas, p_task_ids, p_outcomes) AS x (platform, delta, task_id, outcome)
+    GROUP BY x.platform
+  ) c
+  WHERE l.platform = c.platform;
 END;
 $$;
 
@@ -989,6 +1470,7 @@ BEGIN
       k.role,
       h.priority,
       h.due_at,
+      h.platform,
       (SELECT min(t.due_at)
        FROM worker_tasks t
        WHERE t.dispensary_id = k.dispensary_id
@@ -998,10 +1480,10 @@ BEGIN
          AND t.priority > h.priority) AS recheck_at
     FROM keys k
     LEFT JOIN LATERAL (
-      SELECT c.priority, c.due_at
+      SELECT c.priority, c.due_at, c.platform
       FROM (
         -- the best due task in claim order ...
-        (SELECT t.priority, t.due_at
+        (SELECT t.priority, t.due_at, coalesce(t.platform, '') AS platform
          FROM worker_tasks t
          WHERE t.dispensary_id = k.dispensary_id
            AND t.role = k.role
@@ -1011,7 +1493,7 @@ BEGIN
          LIMIT 1)
         UNION ALL
         -- ... else the next to come due
-        (SELECT t.priority, t.due_at
+        (SELECT t.priority, t.due_at, coalesce(t.platform, '') AS platform
          FROM worker_tasks t
          WHERE t.dispensary_id = k.dispensary_id
            AND t.role = k.role
@@ -1030,17 +1512,18 @@ BEGIN
       AND h.dispensary_id = f.dispensary_id
       AND f.priority IS NULL
   )
-  INSERT INTO worker_task_heads AS h (role, dispensary_id, priority, due_at, recheck_at)
-  SELECT f.role, f.dispensary_id, f.priority, f.due_at, f.recheck_at
+  INSERT INTO worker_task_heads AS h (role, dispensary_id, priority, due_at, recheck_at, platform)
+  SELECT f.role, f.dispensary_id, f.priority, f.due_at, f.recheck_at, f.platform
   FROM fresh f
   WHERE f.priority IS NOT NULL
   ORDER BY f.dispensary_id, f.role
   ON CONFLICT (role, dispensary_id) DO UPDATE
   SET priority = excluded.priority,
       due_at = excluded.due_at,
-      recheck_at = excluded.recheck_at
-  WHERE (h.priority, h.due_at, h.recheck_at)
-    IS DISTINCT FROM (excluded.priority, excluded.due_at, excluded.recheck_at);
+      recheck_at = excluded.recheck_at,
+      platform = excluded.platform
+  WHERE (h.priority, h.due_at, h.recheck_at, h.platform)
+    IS DISTINCT FROM (excluded.priority, excluded.due_at, excluded.recheck_at, excluded.platform);
 END;
 $$;
 
@@ -1148,6 +1631,85 @@ $$;
 
 
 --
+-- Name: tq_tasks_platforms_deleted(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_tasks_platforms_deleted() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  PERFORM tq_platforms_apply(array_agg(o.platform), array_agg(-1), array_agg(o.id), array_agg('deleted'::VARCHAR))
+  FROM old_tasks o
+  WHERE o.status IN ('claimed', 'running')
+    AND o.platform IS NOT NULL;
+  RETURN NULL;
+END;
+$$;
+
+
+--
+-- Name: tq_tasks_platforms_inserted(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_tasks_platforms_inserted() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  -- Only direct INSERTs create active rows.
+  PERFORM tq_platforms_apply(array_agg(n.platform), array_agg(1), array_agg(n.id), array_agg(NULL::VARCHAR))
+  FROM new_tasks n
+  WHERE n.status IN ('claimed', 'running')
+    AND n.platform IS NOT NULL;
+  RETURN NULL;
+END;
+$$;
+
+
+--
+-- Name: tq_tasks_platforms_truncated(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_tasks_platforms_truncated() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  UPDATE tq_platforms SET in_flight = 0, probe_task_id = NULL WHERE in_flight <> 0 OR probe_task_id IS NOT NULL;
+  RETURN NULL;
+END;
+$$;
+
+
+--
+-- Name: tq_tasks_platforms_updated(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_tasks_platforms_updated() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  -- Heartbeats and starts change no active set: one cheap pass finds nothing and stops here.
+  PERFORM tq_platforms_apply(array_agg(m.platform), array_agg(m.delta), array_agg(m.id), array_agg(m.outcome))
+  FROM (
+    SELECT o.platform, -1 AS delta, o.id, n.status::VARCHAR AS outcome
+    FROM old_tasks o
+    JOIN new_tasks n ON n.id = o.id
+    WHERE o.status IN ('claimed', 'running')
+      AND o.platform IS NOT NULL
+      AND (n.status NOT IN ('claimed', 'running') OR n.platform IS DISTINCT FROM o.platform)
+    UNION ALL
+    SELECT n.platform, 1, n.id, NULL
+    FROM new_tasks n
+    JOIN old_tasks o ON o.id = n.id
+    WHERE n.status IN ('claimed', 'running')
+      AND n.platform IS NOT NULL
+      AND (o.status NOT IN ('claimed', 'running') OR n.platform IS DISTINCT FROM o.platform)
+  ) m;
+  RETURN NULL;
+END;
+$$;
+
+
+--
 -- Name: tq_tasks_truncated(); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1189,15 +1751,14 @@ BEGIN
     coalesce(bool_or(
       (o.status = 'pending' OR n.status = 'pending')
       AND coalesce(o.dispensary_id, n.dispensary_id) IS NOT NULL
-      AND (n.status, n.dispensary_id, n.role, n.priority, n.due_at)
-          IS DISTINCT FROM (o.status, o.dispensary_id, o.role, o.priority, o.due_at)
+      AND (n.status, n.dispensary_id, n.role, n.priority, n.due_at, n.platform)
+          IS DISTINCT FROM (o.status, o.dispensary_id, o.role, o.priority, o.due_at, o.platform)
     ), false)
   INTO v_moved, v_freed, v_busied, v_queue_changed
   FROM old_tasks o
   JOIN new_tasks n ON n.id = o.id;
 
   IF v_moved THEN
-    -- A task moved to a store never seen before (only direct UPDATEs do that).
     INSERT INTO worker_task_stores (dispensary_id)
     SELECT DISTINCT n.dispensary_id
     FROM new_tasks n
@@ -1208,9 +1769,6 @@ BEGIN
   END IF;
 
   IF v_freed THEN
-    -- Stores whose active task finished, went back to pending, was cancelled or moved: idle.
-    -- Locked in store order first, like every other multi-store locker (tq_lock_and_refresh),
-    -- so that a batch completion or recovery cannot deadlock with a bulk insert.
     PERFORM 1
     FROM worker_task_stores s
     WHERE s.dispensary_id IN (
@@ -1233,7 +1791,6 @@ BEGIN
   END IF;
 
   IF v_busied THEN
-    -- Stores whose task became active: busy. (Claims already hold these rows' locks.)
     UPDATE worker_task_stores s
     SET active_task_id = n.id
     FROM new_tasks n
@@ -1244,23 +1801,21 @@ BEGIN
   END IF;
 
   IF v_queue_changed THEN
-    -- Heads of every (store, role) whose pending work changed: a task left it (claimed,
-    -- cancelled, moved) or joined it (a retry, a recovery) or changed its place in claim order.
     PERFORM tq_lock_and_refresh(array_agg(k.dispensary_id), array_agg(k.role))
     FROM (
       SELECT o.dispensary_id, o.role
       FROM old_tasks o
       JOIN new_tasks n ON n.id = o.id
       WHERE o.status = 'pending'
-        AND (n.status, n.dispensary_id, n.role, n.priority, n.due_at)
-            IS DISTINCT FROM (o.status, o.dispensary_id, o.role, o.priority, o.due_at)
+        AND (n.status, n.dispensary_id, n.role, n.priority, n.due_at, n.platform)
+            IS DISTINCT FROM (o.status, o.dispensary_id, o.role, o.priority, o.due_at, o.platform)
       UNION
       SELECT n.dispensary_id, n.role
       FROM new_tasks n
       JOIN old_tasks o ON o.id = n.id
       WHERE n.status = 'pending'
-        AND (n.status, n.dispensary_id, n.role, n.priority, n.due_at)
-            IS DISTINCT FROM (o.status, o.dispensary_id, o.role, o.priority, o.due_at)
+        AND (n.status, n.dispensary_id, n.role, n.priority, n.due_at, n.platform)
+            IS DISTINCT FROM (o.status, o.dispensary_id, o.role, o.priority, o.due_at, o.platform)
     ) k
     WHERE k.dispensary_id IS NOT NULL;
   END IF;
@@ -1550,6 +2105,48 @@ ALTER SEQUENCE public.task_completion_log_id_seq OWNED BY public.task_completion
 
 
 --
+-- Name: v_platform_status; Type: VIEW; Schema: public; Owner: -
+--
+
+CREATE VIEW public.v_platform_status AS
+ SELECT l.platform,
+        CASE
+            WHEN (l.paused_until > now()) THEN 'paused'::text
+            WHEN (l.pauses > 0) THEN 'probing'::text
+            WHEN (l.in_flight >= l.max_in_flight) THEN 'full'::text
+            ELSE 'open'::text
+        END AS state,
+    l.in_flight,
+    l.max_in_flight,
+    l.requests_per_second,
+    l.burst,
+        CASE
+            WHEN (l.paused_until > now()) THEN l.paused_until
+            ELSE NULL::timestamp with time zone
+        END AS paused_until,
+        CASE
+            WHEN (l.paused_until > now()) THEN EXTRACT(epoch FROM (l.paused_until - now()))
+            ELSE (0)::numeric
+        END AS pause_seconds_left,
+    l.pause_reason,
+    l.pauses,
+    l.probe_task_id,
+    l.error_streak,
+    l.errors_total,
+    l.last_error,
+    l.last_error_at,
+    l.updated_at
+   FROM public.tq_platforms l;
+
+
+--
+-- Name: VIEW v_platform_status; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON VIEW public.v_platform_status IS 'Per platform: limits, tasks in flight, pause and errors';
+
+
+--
 -- Name: v_store_freshness; Type: VIEW; Schema: public; Owner: -
 --
 
@@ -1756,7 +2353,8 @@ CREATE TABLE public.worker_task_heads (
     dispensary_id integer NOT NULL,
     priority integer NOT NULL,
     due_at timestamp with time zone NOT NULL,
-    recheck_at timestamp with time zone
+    recheck_at timestamp with time zone,
+    platform character varying(50) DEFAULT ''::character varying NOT NULL
 );
 
 
@@ -1931,6 +2529,14 @@ ALTER TABLE ONLY public.task_completion_log
 
 
 --
+-- Name: tq_platforms tq_platforms_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.tq_platforms
+    ADD CONSTRAINT tq_platforms_pkey PRIMARY KEY (platform);
+
+
+--
 -- Name: worker_registry worker_registry_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -2007,10 +2613,10 @@ CREATE INDEX idx_worker_registry_role ON public.worker_registry USING btree (rol
 
 
 --
--- Name: idx_worker_task_heads_order; Type: INDEX; Schema: public; Owner: -
+-- Name: idx_worker_task_heads_platform; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX idx_worker_task_heads_order ON public.worker_task_heads USING btree (role, priority DESC, due_at, dispensary_id);
+CREATE INDEX idx_worker_task_heads_platform ON public.worker_task_heads USING btree (role, platform, priority DESC, due_at, dispensary_id);
 
 
 --
@@ -2049,10 +2655,10 @@ CREATE INDEX idx_worker_tasks_loose_active ON public.worker_tasks USING btree (w
 
 
 --
--- Name: idx_worker_tasks_loose_pending; Type: INDEX; Schema: public; Owner: -
+-- Name: idx_worker_tasks_loose_pending_platform; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX idx_worker_tasks_loose_pending ON public.worker_tasks USING btree (role, priority DESC, due_at, id) WHERE (((status)::text = 'pending'::text) AND (dispensary_id IS NULL));
+CREATE INDEX idx_worker_tasks_loose_pending_platform ON public.worker_tasks USING btree (role, COALESCE(platform, ''::character varying), priority DESC, due_at, id) WHERE (((status)::text = 'pending'::text) AND (dispensary_id IS NULL));
 
 
 --
@@ -2116,6 +2722,34 @@ CREATE TRIGGER worker_tasks_updated AFTER UPDATE ON public.worker_tasks REFERENC
 --
 
 CREATE TRIGGER worker_tasks_updated_at BEFORE UPDATE ON public.worker_tasks FOR EACH ROW EXECUTE FUNCTION public.update_worker_tasks_timestamp();
+
+
+--
+-- Name: worker_tasks worker_tasks_zplatforms_deleted; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER worker_tasks_zplatforms_deleted AFTER DELETE ON public.worker_tasks REFERENCING OLD TABLE AS old_tasks FOR EACH STATEMENT EXECUTE FUNCTION public.tq_tasks_platforms_deleted();
+
+
+--
+-- Name: worker_tasks worker_tasks_zplatforms_inserted; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER worker_tasks_zplatforms_inserted AFTER INSERT ON public.worker_tasks REFERENCING NEW TABLE AS new_tasks FOR EACH STATEMENT EXECUTE FUNCTION public.tq_tasks_platforms_inserted();
+
+
+--
+-- Name: worker_tasks worker_tasks_zplatforms_truncated; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER worker_tasks_zplatforms_truncated AFTER TRUNCATE ON public.worker_tasks FOR EACH STATEMENT EXECUTE FUNCTION public.tq_tasks_platforms_truncated();
+
+
+--
+-- Name: worker_tasks worker_tasks_zplatforms_updated; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER worker_tasks_zplatforms_updated AFTER UPDATE ON public.worker_tasks REFERENCING OLD TABLE AS old_tasks NEW TABLE AS new_tasks FOR EACH STATEMENT EXECUTE FUNCTION public.tq_tasks_platforms_updated();
 
 
 --

@@ -11,6 +11,7 @@ import threading
 from datetime import UTC, date, datetime
 from pathlib import Path
 
+from tq_pipelines.crawl.platforms import PlatformSettingsError, load_platform_settings, sync_limits
 from tq_pipelines.db import dagster_database_url, database_url, embedded, sqlalchemy_url
 from tq_pipelines.db.migrate import MigrationError, migrate
 from tq_pipelines.demo import seed_demo, start_demo
@@ -64,6 +65,28 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(
             f"{r.role:<24}{r.pending_tasks:>9}{r.ready_tasks:>9}{r.claimed_tasks:>9}{r.running_tasks:>9}"
             f"{r.completed_last_hour:>9}{r.failed_last_hour:>9}{r.active_workers:>9}"
+        )
+    return 0
+
+
+def _cmd_platforms(args: argparse.Namespace) -> int:
+    """Each platform's fleet-wide limits and state; with --sync, loaded from the platforms file first."""
+    with TaskQueue.connect(database_url()) as queue:
+        if args.sync:
+            path = args.file or os.environ.get("TQ_PLATFORMS_FILE")
+            if not path:
+                print("tq platforms --sync: no platforms file (--file or TQ_PLATFORMS_FILE)", file=sys.stderr)
+                return 2
+            changed = sync_limits(queue, load_platform_settings(path))
+            print(f"limits loaded from {path}: {changed} platform(s) changed")
+        rows = queue.platform_status()
+    header = ("platform", "state", "in flight", "req/s", "burst", "pause left", "errors", "pause reason")
+    print("{:<16}{:<9}{:>11}{:>8}{:>7}{:>12}{:>8}  {}".format(*header))
+    for r in rows:
+        print(
+            f"{r['platform']:<16}{r['state']:<9}{r['in_flight']:>5}/{r['max_in_flight']:<5}"
+            f"{r['requests_per_second']:>8g}{r['burst']:>7}{r['pause_seconds_left']:>11.0f}s"
+            f"{r['errors_total']:>8}  {r['pause_reason'] or ''}"
         )
     return 0
 
@@ -164,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("status", help="v_worker_capacity, one line per role").set_defaults(func=_cmd_status)
 
+    plat = sub.add_parser("platforms", help="each platform's fleet-wide limits, in flight, pause and errors")
+    plat.add_argument("--sync", action="store_true", help="load the limits from the platforms file first")
+    plat.add_argument("--file", help="the platforms file (default TQ_PLATFORMS_FILE)")
+    plat.set_defaults(func=_cmd_platforms)
+
     dev = sub.add_parser("dev", help="database up and migrated, then the Dagster UI and daemon")
     dev.add_argument("--home", default=".", help="folder with dagster.yaml and workspace.yaml")
     dev.add_argument("--host", default="127.0.0.1")
@@ -185,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (QueueInputError, MigrationError) as exc:
+    except (QueueInputError, MigrationError, PlatformSettingsError) as exc:
         print(f"tq: {exc}", file=sys.stderr)
         return 2
 

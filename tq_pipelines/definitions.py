@@ -25,6 +25,7 @@ from tq_pipelines.schedules import (
     task_completion_log_schedule,
 )
 from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
+from tq_pipelines.sensors.platforms import platform_limits_asset, platform_status_sensor
 from tq_pipelines.sensors.queue import resync_catchup_sensor, task_queue_sensor
 
 # A role without a handler is an error here, at load, not a failed task at 3 a.m.
@@ -34,7 +35,7 @@ load_handlers()
 DEMO = os.environ.get("TQ_DEMO") == "1"
 
 defs = dg.Definitions(
-    assets=[task_completion_log],
+    assets=[task_completion_log, platform_limits_asset],
     jobs=[
         generate_resync_tasks_job,
         recover_stale_tasks_job,
@@ -52,7 +53,13 @@ defs = dg.Definitions(
         analytics_refresh_schedule,
         *([demo_crawl_schedule] if DEMO else []),
     ],
-    sensors=[task_queue_sensor, resync_catchup_sensor, queue_health_sensor, run_failure_alert_sensor],
+    sensors=[
+        task_queue_sensor,
+        resync_catchup_sensor,
+        queue_health_sensor,
+        run_failure_alert_sensor,
+        platform_status_sensor,
+    ],
     resources={
         "tq": QueueResource(database_url=dg.EnvVar("TQ_DATABASE_URL")),
         "crawl": CrawlResource(),

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tq_pipelines.crawl.handlers import enqueue_store_discovery
-from tq_pipelines.crawl.platforms import load_platform_settings
+from tq_pipelines.crawl.platforms import load_platform_settings, sync_limits
 from tq_pipelines.crawl.simulator import Simulator, demo_profiles
 from tq_pipelines.db.queries import query
 from tq_pipelines.queue import TaskQueue
@@ -34,9 +34,12 @@ def start_demo(folder: Path, *, stores_per_platform: int = 100, seed: int = 7) -
 
 
 def seed_demo(database_url: str, fleet: DemoFleet) -> int:
-    """Queue store_discovery for every demo platform and region; returns the tasks created."""
+    """Load the demo platforms' limits and queue store_discovery for every platform and region;
+    returns the tasks created."""
+    settings = load_platform_settings(fleet.platforms_file)
     with TaskQueue.connect(database_url) as queue:
-        return enqueue_store_discovery(queue, load_platform_settings(fleet.platforms_file))
+        sync_limits(queue, settings)
+        return enqueue_store_discovery(queue, settings)
 
 
 def enqueue_demo_resyncs(queue: TaskQueue) -> int:

@@ -6,6 +6,7 @@ import dagster as dg
 from pydantic import Field
 
 from tq_pipelines.crawl.handlers import HTTP_ROLES, enqueue_store_discovery
+from tq_pipelines.crawl.platforms import sync_limits
 from tq_pipelines.demo import enqueue_demo_resyncs
 from tq_pipelines.handlers import BUILTIN, load_handlers
 from tq_pipelines.partitions import resync_partitions_def
@@ -61,7 +62,8 @@ class RecoverConfig(dg.Config):
 
 @dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
 def recover_stale_tasks(context: dg.OpExecutionContext, config: RecoverConfig, tq: QueueResource):
-    """Give back the tasks of workers silent past the threshold; mark those workers offline."""
+    """Give back the tasks of workers silent past the threshold; mark those workers offline.
+    Then check the platforms' slot counters against the tasks really in flight, and repair."""
     report = tq.queue.recover_stale(config.stale_threshold_minutes)
     if report.recovered or report.failed or report.workers_offline:
         context.log.warning(
@@ -70,12 +72,22 @@ def recover_stale_tasks(context: dg.OpExecutionContext, config: RecoverConfig, t
             report.failed,
             report.workers_offline,
         )
+    drift = tq.queue.repair_platform_counters()
+    for d in drift:
+        context.log.warning(
+            "platform %s counted %s tasks in flight, had %s%s: repaired",
+            d["platform"],
+            d["counted"],
+            d["in_flight"],
+            " (and a probe no longer running)" if d["probe_cleared"] else "",
+        )
     return dg.Output(
         None,
         metadata={
             "recovered": dg.MetadataValue.int(report.recovered),
             "failed": dg.MetadataValue.int(report.failed),
             "workers_offline": dg.MetadataValue.int(report.workers_offline),
+            "platform_counters_repaired": dg.MetadataValue.int(len(drift)),
             "stale_threshold_minutes": config.stale_threshold_minutes,
         },
     )
@@ -98,6 +110,13 @@ class DrainConfig(dg.Config):
     )
     time_budget_seconds: float = Field(default=600, gt=0, description="Stop claiming after this long")
     heartbeat_seconds: float = Field(default=30, gt=0, description="Lease heartbeat interval")
+    platform_wait_seconds: float = Field(
+        default=10,
+        ge=0,
+        le=600,
+        description="With nothing running, how long to wait for platforms (paused, full or "
+        "rate-limited) to take the role's due work before the run ends",
+    )
 
 
 # Threads for an HTTP role: twice what the hosts accept, so that a saturated host leaves threads
@@ -121,6 +140,8 @@ def drain_role_tasks(
         services = crawl.services() if config.role in HTTP_ROLES else None  # before any claim
         if services is not None:
             stack.callback(services.close)
+            # The file's limits become every claimer's before this run claims anything.
+            sync_limits(tq.queue, services.settings)
         elif config.role in HTTP_ROLES and handler is BUILTIN[config.role]:
             # Every task would fail for want of settings; fail the run instead, touching none.
             raise dg.Failure(
@@ -141,6 +162,7 @@ def drain_role_tasks(
             time_budget_seconds=config.time_budget_seconds,
             logger=context.log,  # type: ignore[arg-type]
             services=services,
+            platform_wait_seconds=config.platform_wait_seconds,
         )
         stats = worker.run()
     done = stats.completed + stats.failed + stats.retried

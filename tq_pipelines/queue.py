@@ -60,6 +60,8 @@ class Task:
     resync_date: date | None
     due_at: datetime
     payload: dict[str, Any]
+    # When the claim let the task's first request start (its platform's rate); None: no limit.
+    send_at: datetime | None = None
 
 
 _TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
@@ -67,9 +69,10 @@ _TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
 
 def task_row(cursor: psycopg.Cursor[Any]) -> Callable[[Sequence[Any]], Task]:
     """A psycopg row factory for ``worker_tasks`` rows: positional, no dict per row. Columns
-    added by later migrations are ignored until the class learns them."""
+    added by later migrations are ignored until the class learns them; fields the database
+    does not have yet (an older schema) keep their defaults."""
     names = [c.name for c in cursor.description or ()]
-    positions = [names.index(f) for f in _TASK_FIELDS] if names else []
+    positions = [names.index(f) for f in _TASK_FIELDS if f in names] if names else []
     return lambda values: Task(*[values[i] for i in positions])
 
 
@@ -93,6 +96,28 @@ class RoleCapacity:
     avg_duration_sec: float | None
     tasks_per_worker_hour: float | None
     estimated_hours_to_drain: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class PlatformLimits:
+    """A platform's politeness limits, shared by every claimer (``tq_platforms``)."""
+
+    platform: str
+    max_in_flight: int
+    requests_per_second: float
+    burst: int | None = None  # None: max_in_flight
+    pause_after_errors: int = 5
+    pause_seconds: float = 5.0
+    max_pause_seconds: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDecision:
+    """What the platform says to one request of a task: 'go' after ``wait_seconds``; 'paused'
+    (give the task back for ``wait_seconds``); 'lost' (the task is no longer the worker's)."""
+
+    decision: Literal["go", "paused", "lost"]
+    wait_seconds: float
 
 
 def _float(value: Decimal | float | None) -> float | None:
@@ -340,6 +365,50 @@ class TaskQueue:
         (failed, or back for a retry), and the latest error."""
         with self._cursor() as cur:
             return cur.execute(query("platform_errors"), {"minutes": minutes}).fetchall()
+
+    # Platforms -----------------------------------------------------------------------------------
+
+    def sync_platform_limits(self, limits: Sequence[PlatformLimits]) -> int:
+        """Load platforms' limits (keeping their live state); returns how many changed."""
+        rows = [dataclasses.asdict(x) for x in limits]
+        return int(self._one("sync_platform_limits", {"limits": Jsonb(rows)})["changed"])
+
+    def platform_request(self, task_id: int, worker_id: str, *, first: bool) -> RequestDecision:
+        """May this request of the task start, and when (see ``platform_request`` in SQL)."""
+        row = self._one("platform_request", {"task_id": task_id, "worker_id": worker_id, "first": first})
+        return RequestDecision(row["decision"], float(row["wait_seconds"]))
+
+    def platform_error(
+        self, platform: str, task_id: int | None, error: str, *, retry_after: float | None = None
+    ) -> float | None:
+        """Report an error that speaks of the platform (5xx, timeout, 429) to its breaker; returns
+        the seconds its pause has left when the platform is now paused, else None."""
+        params = {
+            "platform": platform,
+            "task_id": task_id,
+            "error": error,
+            "retry_after": None if retry_after is None else _interval(retry_after),
+        }
+        row = self._one("platform_error", params)
+        return float(row["wait_seconds"]) if row["paused"] else None
+
+    def claim_wait(self, role: str) -> float | None:
+        """None when ``role`` has no due work; else the seconds until a claim could take some
+        (0 when it could now; the rest of a pause; a short poll for a full platform)."""
+        wait = self._one("claim_wait", {"role": role})["wait"]
+        return None if wait is None else float(wait)
+
+    def platform_status(self) -> list[dict[str, Any]]:
+        """``v_platform_status``: each limited platform's state, limits, pause and errors."""
+        with self._cursor() as cur:
+            return cur.execute(query("platform_status")).fetchall()
+
+    def repair_platform_counters(self) -> list[dict[str, Any]]:
+        """Set each platform's in-flight count to its tasks really in flight; returns the rows
+        that were wrong (empty while the triggers keep them, which is always but for writes
+        around them)."""
+        with self._cursor() as cur:
+            return cur.execute(query("repair_platform_counters")).fetchall()
 
     def stuck_tasks(self, threshold_minutes: int) -> int:
         """Active tasks whose owner has been silent past the threshold."""

@@ -4,6 +4,7 @@ Plain Python over :class:`TaskQueue`; Dagster's drain op wraps it, and a process
 can run it the same way.
 """
 
+import contextvars
 import json
 import logging
 import os
@@ -53,6 +54,59 @@ class LeaseLostError(Exception):
     """The worker no longer owns the task; whatever the handler was about to write is dropped."""
 
 
+class PlatformPermit:
+    """A task's requests to its platform, under the limits every worker shares (``tq_platforms``).
+
+    The claim counted the task in its platform's slots and reserved the start of its first
+    request; each further request takes the next start the platform's rate allows. Every request
+    asks PostgreSQL first, so a pause reaches tasks already claimed. A task's requests go one at
+    a time: its one slot covers one request in flight. HTTP clients call :meth:`request` around
+    each request (``tq_pipelines.crawl.http.PoliteClient`` does) and :meth:`report_error` for
+    answers that speak of the platform.
+    """
+
+    def __init__(self, queue: TaskQueue, task: Task, worker_id: str, lease_lost: threading.Event) -> None:
+        self.queue = queue
+        self.task = task
+        self.platform = task.platform or ""
+        self.worker_id = worker_id
+        self.lease_lost = lease_lost
+        self.requests = 0
+        self._one_at_a_time = threading.Lock()
+
+    @contextmanager
+    def request(self) -> Iterator[None]:
+        """Hold the task's slot for one request: waits for its start; raises :class:`DeferTask`
+        when the platform is paused, :class:`LeaseLostError` when the task is no longer ours."""
+        with self._one_at_a_time:
+            answer = self.queue.platform_request(self.task.id, self.worker_id, first=self.requests == 0)
+            if answer.decision == "lost":
+                self.lease_lost.set()
+                raise LeaseLostError(f"lease on task {self.task.id} lost before a request")
+            if answer.decision == "paused":
+                raise DeferTask(
+                    max(answer.wait_seconds, 1.0),
+                    f"platform {self.platform} is paused for {answer.wait_seconds:.0f} s",
+                )
+            # The wait is at most about a second (the claim looks no further ahead); a lost
+            # lease ends it.
+            if answer.wait_seconds > 0 and self.lease_lost.wait(answer.wait_seconds):
+                raise LeaseLostError(f"lease on task {self.task.id} lost while waiting to send")
+            self.requests += 1
+            yield
+
+    def report_error(self, error: str, *, retry_after: float | None = None) -> float | None:
+        """An answer that speaks of the platform (5xx, 429, a timeout): counted by its breaker.
+        Returns the pause left when the platform is now paused (give the task back), else None."""
+        return self.queue.platform_error(self.platform, self.task.id, error, retry_after=retry_after)
+
+
+# The permit of the task whose handler runs in this thread; None for tasks without platform limits.
+current_permit: contextvars.ContextVar[PlatformPermit | None] = contextvars.ContextVar(
+    "tq_current_permit", default=None
+)
+
+
 @dataclass
 class TaskContext:
     """What a handler gets besides its task: its lease, the database, and the run's services."""
@@ -65,6 +119,8 @@ class TaskContext:
     # Whatever the process that runs the worker shares with its handlers (HTTP client, settings).
     services: Any = None
     last_progress: dict[str, Any] = field(default_factory=dict)
+    # Requests to the task's platform (None: its platform has no limits).
+    permit: PlatformPermit | None = None
 
     @property
     def lost(self) -> bool:
@@ -174,6 +230,7 @@ class Worker:
         idle_poll_seconds: float | None = None,
         logger: logging.Logger | None = None,
         services: Any = None,
+        platform_wait_seconds: float = 10.0,
     ) -> None:
         if batch_size < 1 or concurrency < 1 or heartbeat_seconds <= 0:
             raise ValueError("batch_size and concurrency must be >= 1, heartbeat_seconds > 0")
@@ -188,6 +245,9 @@ class Worker:
         self.idle_poll_seconds = idle_poll_seconds
         self.log = logger or log
         self.services = services
+        # With nothing running and nothing claimable, how long to keep waiting for platforms
+        # (paused, full or rate-limited) before the run ends.
+        self.platform_wait_seconds = platform_wait_seconds
         self.stats = DrainStats()
         self._in_flight: dict[int, TaskContext] = {}
         self._lock = threading.Lock()
@@ -207,8 +267,10 @@ class Worker:
         heartbeat.start()
         pool = ThreadPoolExecutor(self.concurrency, "tq-handler") if self.concurrency > 1 else None
         running: dict[Future[_Outcome], TaskContext] = {}
-        # After a short claim, wait for a handler to finish before asking again.
+        # After a short claim, wait for a handler to finish (or a platform's next start) before
+        # asking again.
         short = False
+        idle_since: float | None = None
         # With a pool, claim again once a quarter of the threads are free, not at every finished
         # task: one claim and one completion write per few tasks instead of per task.
         refill_at = max(1, self.concurrency // 4)
@@ -230,6 +292,8 @@ class Worker:
                     want = min(self.batch_size if pool is None else free, self.batch_size)
                     claimed = self._claim(want)
                     short = len(claimed) < want
+                if claimed or running:
+                    idle_since = None
                 if claimed:
                     outcomes = (
                         [self._run_one(ctx) for ctx in self._contexts(claimed)]
@@ -237,13 +301,20 @@ class Worker:
                         else self._submit(pool, running, claimed)
                     )
                 elif running:
-                    done, _ = wait(running, timeout=self.heartbeat_seconds, return_when=FIRST_COMPLETED)
-                    short = short and not done
+                    # Platforms free up without our handlers finishing (other runs complete,
+                    # rates refill): a short claim is retried within a second.
+                    timeout = min(self.heartbeat_seconds, 1.0) if short else self.heartbeat_seconds
+                    done, _ = wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
+                    short = False
                     # Whatever else finished meanwhile is recorded in the same write.
                     done = {f for f in running if f.done()}
                     outcomes = [f.result() for f in done]
                     for f in done:
                         del running[f]
+                elif budget_left and not self._stop.is_set() and (pause := self._platform_wait(idle_since)):
+                    idle_since = idle_since or time.monotonic()
+                    self._stop.wait(pause)
+                    continue
                 elif budget_left and not self._stop.is_set() and self.idle_poll_seconds:
                     self._stop.wait(self.idle_poll_seconds)
                     continue
@@ -260,6 +331,18 @@ class Worker:
 
     # -- steps ------------------------------------------------------------------------------------
 
+    def _platform_wait(self, idle_since: float | None) -> float | None:
+        """Nothing claimable and nothing running: how long to sleep before claiming again when
+        due work waits only for its platforms, or None to stop (no due work, or waited enough)."""
+        if self.platform_wait_seconds <= 0:
+            return None
+        if idle_since is not None and time.monotonic() - idle_since > self.platform_wait_seconds:
+            return None
+        wait = self.queue.claim_wait(self.role)
+        if wait is None or wait > self.platform_wait_seconds:
+            return None
+        return min(max(wait, 0.05), 1.0)
+
     def _claim(self, want: int) -> list[Task]:
         # Claimed and started in one statement: every task claimed here begins straight away.
         tasks = self.queue.claim_many(self.role, self.worker_id, want, start=True)
@@ -271,10 +354,12 @@ class Worker:
         return tasks
 
     def _contexts(self, tasks: list[Task]) -> list[TaskContext]:
-        contexts = [
-            TaskContext(t, self.worker_id, self.log, pool=self.queue.pool, services=self.services)
-            for t in tasks
-        ]
+        contexts = []
+        for t in tasks:
+            ctx = TaskContext(t, self.worker_id, self.log, pool=self.queue.pool, services=self.services)
+            if t.send_at is not None:  # the claim reserved its platform's start: a limited platform
+                ctx.permit = PlatformPermit(self.queue, t, self.worker_id, ctx.lease_lost)
+            contexts.append(ctx)
         with self._lock:
             self._in_flight.update((c.task.id, c) for c in contexts)
         return contexts
@@ -289,6 +374,7 @@ class Worker:
     def _run_one(self, ctx: TaskContext) -> _Outcome:
         began = time.monotonic()
         outcome = _Outcome(ctx)
+        permit = current_permit.set(ctx.permit)
         try:
             result = self.handler(ctx.task, ctx)
             try:
@@ -309,6 +395,8 @@ class Worker:
             outcome.retry_after = exc.retry_after
         except Exception as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            current_permit.reset(permit)
         if outcome.error is not None and outcome.defer_seconds is None and ctx.last_progress:
             # Where the handler got to, for whoever reads the error at 3 a.m.
             outcome.error += f" (after: {json.dumps(ctx.last_progress, default=str)})"

@@ -579,7 +579,13 @@ def test_a_failing_platform_is_alerted_once_and_the_healthy_one_not(
     instance: dg.DagsterInstance,
 ):
     sim = simulate(jane={"rate_500": 1.0})
-    path = platforms_file(tmp_path, sim)
+    # A breaker that does not trip here: this is the alert on the platform's error rate.
+    path = write_platforms(
+        tmp_path,
+        sim.platforms_toml(
+            max_in_flight=MAX_IN_FLIGHT, requests_per_second=500, timeout_seconds=5, pause_after_errors=100
+        ),
+    )
     platform_of = add_simulated_stores(conn, queue, sim)
 
     result = drain(db_url, "product_discovery", path, concurrency=5)  # set: not sized from the platforms

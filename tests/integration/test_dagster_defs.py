@@ -24,7 +24,13 @@ SCHEDULES = {
     "store_discovery_schedule": ("0 23 * * *", "enqueue_store_discovery_job"),
     "analytics_refresh_schedule": ("*/15 * * * *", "enqueue_analytics_refresh_job"),
 }
-SENSORS = {"task_queue_sensor", "resync_catchup_sensor", "queue_health_sensor", "run_failure_alert_sensor"}
+SENSORS = {
+    "task_queue_sensor",
+    "resync_catchup_sensor",
+    "queue_health_sensor",
+    "run_failure_alert_sensor",
+    "platform_status_sensor",
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +48,7 @@ def test_jobs_schedules_sensors_and_asset_exist(repo: dg.RepositoryDefinition):
     assert {s.name for s in repo.sensor_defs} == SENSORS
     asset_keys = set(repo.assets_defs_by_key)
     assert dg.AssetKey("task_completion_log") in asset_keys
+    assert dg.AssetKey("platform_limits") in asset_keys  # observed by platform_status_sensor
     check_keys = repo.assets_defs_by_key[dg.AssetKey("task_completion_log")].check_keys
     assert dg.AssetCheckKey(dg.AssetKey("task_completion_log"), "failure_rate_below_threshold") in check_keys
     # The resources every job, schedule and sensor asks for are bound.

@@ -1,22 +1,40 @@
-"""HTTP for handlers: one shared httpx client, politeness per host, and errors classified.
+"""HTTP for handlers: one shared httpx client, politeness per platform and per host, and errors
+classified.
 
-Per host (scheme, name and port), at most ``max_in_flight`` requests at once and at most
-``requests_per_second`` started. A handler that cannot get a slot within ``slot_wait_seconds``
-defers its task (:class:`DeferTask`) instead of holding a worker thread: one slow host must not
-starve the others. A 429 with Retry-After pauses the whole host for that long.
+The limit that counts is the platform's, shared by every worker of the fleet: each request of a
+task (redirect hops included, whatever host they name) goes through the task's
+:class:`~tq_pipelines.worker.PlatformPermit`, which waits for the start PostgreSQL gives it and
+defers the task while the platform is paused. Answers that speak of the platform (5xx, 429, a
+timeout, a refused connection) go to the platform's breaker; a task that meets a pause is given
+back, not failed.
+
+The second line, within this process, per host (scheme, name and port): at most
+``max_in_flight`` requests at once and at most ``requests_per_second`` started. A handler that
+cannot get a slot within ``slot_wait_seconds`` defers its task (:class:`DeferTask`) instead of
+holding a worker thread. A 429 with Retry-After pauses the host for that long.
 """
 
 import email.utils
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import urlsplit
+from typing import Any, NoReturn
+from urllib.parse import urljoin, urlsplit
 
 import httpx
 
 from tq_pipelines.queue import MAX_DELAY_SECONDS
-from tq_pipelines.worker import DeferTask, PermanentTaskError, TransientTaskError
+from tq_pipelines.worker import (
+    DeferTask,
+    PermanentTaskError,
+    PlatformPermit,
+    TransientTaskError,
+    current_permit,
+)
+
+# Redirect hops followed by hand, so that each is a request under the platform's limits.
+MAX_REDIRECTS = 5
 
 
 class GoneError(PermanentTaskError):
@@ -105,7 +123,8 @@ class PoliteClient:
             headers={"User-Agent": user_agent, "Accept": "application/json"},
             # The pool must not be the bottleneck: the per-host limits are.
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            follow_redirects=True,
+            # Followed in get_json, each hop under the limits.
+            follow_redirects=False,
         )
         self._hosts: dict[str, _Host] = {}
         self._limits: dict[str, HostLimits] = {}
@@ -136,35 +155,52 @@ class PoliteClient:
     def get_json(
         self, url: str, params: dict[str, Any] | None = None, *, timeout: float | None = None
     ) -> Any:
-        """The JSON body of a GET. Timeouts, connection errors, 429 and 5xx raise
-        :class:`TransientTaskError`; 410 :class:`GoneError`; other 4xx and a body that is not JSON
-        :class:`PermanentTaskError`; a saturated host :class:`DeferTask`."""
+        """The JSON body of a GET, redirects followed. Timeouts, connection errors, 429 and 5xx
+        raise :class:`TransientTaskError` (or :class:`DeferTask` when they paused the platform);
+        410 :class:`GoneError`; other 4xx and a body that is not JSON :class:`PermanentTaskError`;
+        a paused platform or a saturated host :class:`DeferTask`."""
+        permit = current_permit.get()
+        for _ in range(MAX_REDIRECTS + 1):
+            response, host = self._send(url, params, timeout, permit)
+            if not response.is_redirect:
+                return self._body(response, host, permit)
+            url, params = urljoin(str(response.url), response.headers["location"]), None
+        raise PermanentTaskError(f"more than {MAX_REDIRECTS} redirects from GET {url}")
+
+    def _send(
+        self,
+        url: str,
+        params: dict[str, Any] | None,
+        timeout: float | None,
+        permit: PlatformPermit | None,
+    ) -> tuple[httpx.Response, _Host]:
         key = host_key(url)
         host = self._host(key)
         wait = host.limits.slot_wait_seconds
-        if not host.slots.acquire(timeout=wait):
-            raise DeferTask(max(1.0, wait), f"{key}: {host.limits.max_in_flight} requests in flight")
-        try:
-            delay = host.reserve_start(wait)
-            if delay is None:
-                later = host.next_start_in()
-                raise DeferTask(max(later, 1.0), f"{key}: paused or rate-limited for {later:.1f} s")
-            if delay > 0:
-                time.sleep(delay)
+        # The platform's start first (fleet-wide), then this process's host slot.
+        with permit.request() if permit is not None else nullcontext():
+            if not host.slots.acquire(timeout=wait):
+                raise DeferTask(max(1.0, wait), f"{key}: {host.limits.max_in_flight} requests in flight")
             try:
-                response = self.client.get(
-                    url, params=params, timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
-                )
-            except httpx.TimeoutException as exc:
-                raise TransientTaskError(f"timeout on GET {url}: {type(exc).__name__}") from exc
-            except httpx.TransportError as exc:
-                raise TransientTaskError(f"connection error on GET {url}: {exc}") from exc
-        finally:
-            host.slots.release()
-        return self._body(response, host)
+                delay = host.reserve_start(wait)
+                if delay is None:
+                    later = host.next_start_in()
+                    raise DeferTask(max(later, 1.0), f"{key}: paused or rate-limited for {later:.1f} s")
+                if delay > 0:
+                    time.sleep(delay)
+                try:
+                    return self.client.get(
+                        url, params=params, timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+                    ), host
+                except httpx.TimeoutException as exc:
+                    _platform_trouble(permit, f"timeout on GET {url}: {type(exc).__name__}", None, exc)
+                except httpx.TransportError as exc:
+                    _platform_trouble(permit, f"connection error on GET {url}: {exc}", None, exc)
+            finally:
+                host.slots.release()
 
     @staticmethod
-    def _body(response: httpx.Response, host: _Host) -> Any:
+    def _body(response: httpx.Response, host: _Host, permit: PlatformPermit | None) -> Any:
         status = response.status_code
         url = str(response.request.url)
         if status == 429 or status >= 500:
@@ -172,10 +208,8 @@ class PoliteClient:
             if status == 429 and after:
                 with host.lock:
                     host.paused_until = max(host.paused_until, time.monotonic() + after)
-            raise TransientTaskError(
-                f"HTTP {status} for {url}" + (f" (Retry-After {after:.0f} s)" if after else ""),
-                retry_after=after,
-            )
+            message = f"HTTP {status} for {url}" + (f" (Retry-After {after:.0f} s)" if after else "")
+            _platform_trouble(permit, message, after)
         if status == 410:
             raise GoneError(url, status)
         # A 404 fails the task but does not switch the store off: a wrong path in the settings or a
@@ -186,3 +220,18 @@ class PoliteClient:
             return response.json()
         except ValueError as exc:
             raise PermanentTaskError(f"{url} did not answer JSON: {exc}") from exc
+
+
+def _platform_trouble(
+    permit: PlatformPermit | None, message: str, retry_after: float | None, cause: Exception | None = None
+) -> NoReturn:
+    """An answer that speaks of the platform: its breaker hears of it. If the platform is now
+    paused (this answer tripped it, or it was already), the task is given back untried for the
+    pause; otherwise it is a transient failure."""
+    if permit is not None:
+        pause = permit.report_error(message, retry_after=retry_after)
+        if pause is not None:
+            raise DeferTask(
+                max(pause, 1.0), f"{message}; platform {permit.platform} paused for {pause:.0f} s"
+            ) from cause
+    raise TransientTaskError(message, retry_after=retry_after) from cause

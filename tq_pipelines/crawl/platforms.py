@@ -5,7 +5,7 @@ The file (``TQ_PLATFORMS_FILE``) has one table per platform, named as the stores
     [platforms.dutchie]
     base_url = "https://menus.example.com/dutchie"
     regions = ["north", "south"]     # what store_discovery lists
-    max_in_flight = 4                 # politeness, per host
+    max_in_flight = 4                 # politeness: for the whole fleet, in PostgreSQL
     requests_per_second = 10
 
 Every key is documented on :class:`PlatformSettings`; docs/PLATFORMS.md has the protocol of the
@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote, urljoin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tq_pipelines.crawl.http import HostLimits, PoliteClient
+from tq_pipelines.queue import PlatformLimits, TaskQueue
 from tq_pipelines.worker import PermanentTaskError
 
 
@@ -41,14 +42,44 @@ class PlatformSettings(BaseModel):
     stores_path: str = "/stores"
     store_path: str = "/stores/{directory_id}"
     menu_path: str = "/menus/{platform_id}"
-    max_in_flight: int = Field(default=4, ge=1, le=256)
-    requests_per_second: float = Field(default=10.0, gt=0)
+    # The platform's limits, for every worker of the fleet (tq_platforms), whatever host a
+    # request names; the same figures cap each host within one process.
+    max_in_flight: int = Field(default=4, ge=1, le=256, description="Requests in flight at once")
+    requests_per_second: float = Field(default=10.0, ge=0.001, le=10_000, description="Request starts")
+    burst: int | None = Field(
+        default=None, ge=1, le=10_000, description="Starts at once after an idle spell (max_in_flight)"
+    )
+    # The breaker: a 503/429 with Retry-After, or this many 5xx/timeouts in a row, pause the
+    # platform; after a pause one probe goes first; each failed probe pauses longer.
+    pause_after_errors: int = Field(default=5, ge=1, le=1000)
+    pause_seconds: float = Field(default=5.0, ge=0.1, le=86_400)
+    max_pause_seconds: float = Field(default=600.0, ge=0.1, le=86_400)
     slot_wait_seconds: float = Field(default=5.0, ge=0)
     timeout_seconds: float = Field(default=10.0, gt=0)
     max_pages: int = Field(default=100, ge=1, description="Store directory pages followed at most")
 
+    @model_validator(mode="after")
+    def _pauses_in_order(self) -> "PlatformSettings":
+        if self.max_pause_seconds < self.pause_seconds:
+            raise ValueError(
+                f"max_pause_seconds ({self.max_pause_seconds}) is below pause_seconds ({self.pause_seconds})"
+            )
+        return self
+
     def limits(self) -> HostLimits:
         return HostLimits(self.max_in_flight, self.requests_per_second, self.slot_wait_seconds)
+
+    def platform_limits(self, name: str) -> PlatformLimits:
+        """The limits the queue enforces for the whole fleet."""
+        return PlatformLimits(
+            name,
+            self.max_in_flight,
+            self.requests_per_second,
+            self.burst,
+            self.pause_after_errors,
+            self.pause_seconds,
+            self.max_pause_seconds,
+        )
 
     def url(self, path: str) -> str:
         return urljoin(self.base_url.rstrip("/") + "/", path.lstrip("/"))
@@ -75,6 +106,12 @@ def load_platform_settings(path: str | Path) -> dict[str, PlatformSettings]:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise PlatformSettingsError(f"platforms file {path}, [platforms.{name}]: {problems}") from None
     return settings
+
+
+def sync_limits(queue: TaskQueue, settings: Mapping[str, PlatformSettings]) -> int:
+    """Load the platforms' limits into the queue, where every claimer shares them; returns how
+    many changed. The platforms file stays the one place an operator edits."""
+    return queue.sync_platform_limits([s.platform_limits(name) for name, s in sorted(settings.items())])
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,22 @@
 One server (one port, so one host for the politeness limits) per platform. Stores and menus are
 derived from a seed, so every run sees the same fleet; menus change over time (each store every
 few ``change_seconds``), a few stores go away, and a share of requests answer 429, 500 or hang
-past the client's timeout. A platform can also have outage windows (every request 503), on the wall clock.
-Each server counts requests, answers and the most requests it ever had in flight.
+past the client's timeout. A platform can also have outage windows (every request 503): periodic ones on
+the wall clock, and a one-off one at a set time after the start.
+Each server counts requests, answers and the most requests it ever had in flight, and logs every request's
+arrival, departure and status, so that the crawler's politeness can be measured where the requests land:
+``politeness_report`` turns such a log into the most requests in flight at once and request starts per
+second (calendar and sliding), overall and in given time windows (an outage, say).
 """
 
+import bisect
 import json
 import random
 import threading
 import time
 import zlib
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -23,6 +29,10 @@ CATEGORIES = ("flower", "vape", "edible", "preroll", "concentrate", "tincture")
 BRANDS = ("Green Leaf", "Highland", "Sunnyside", "Old Pal", "Kiva", "Wyld", "Stiiizy", "Cresco")
 WORDS = ("Blue", "Dream", "Sour", "Diesel", "Gelato", "Haze", "Kush", "Lemon", "Mint", "OG", "Runtz")
 PAGE_SIZE = 100
+LOG_MAX = 500_000  # request log entries kept per platform (the newest)
+
+# One request as its server saw it: arrival, departure (time.time() floats), status (0: connection broke).
+LogEntry = tuple[float, float, int]
 
 
 @dataclass
@@ -42,7 +52,9 @@ class PlatformProfile:
     gone_within_seconds: float = 3600.0
     change_seconds: float = 300.0  # a store's menu changes every 1..4 of these
     outage_every_seconds: float = 0.0  # 0: never; windows are on the wall clock
-    outage_seconds: float = 0.0
+    outage_seconds: float = 0.0  # how long an outage lasts, periodic or one-off; 0: no outages
+    outage_start_seconds: float | None = None  # a one-off outage this long after the start; None: none
+    outage_retry_after_seconds: int = 30  # the Retry-After header of an outage's 503s
     seed: int = 0
 
 
@@ -59,10 +71,15 @@ class _Store:
 
 @dataclass
 class Stats:
+    """A server's counters (``/_stats`` requests aside). ``log`` holds the newest ``LOG_MAX`` requests as
+    (arrival, departure, status); ``answers`` counts the status sent even when the connection then broke,
+    where ``log`` says 0."""
+
     requests: int = 0
     in_flight: int = 0
     max_in_flight: int = 0
     answers: Counter[int] = field(default_factory=Counter)
+    log: deque[LogEntry] = field(default_factory=lambda: deque(maxlen=LOG_MAX))
 
 
 class SimulatedPlatform:
@@ -101,14 +118,37 @@ class SimulatedPlatform:
     def is_gone(self, store: _Store) -> bool:
         return store.gone_after is not None and self.elapsed() >= store.gone_after
 
-    def in_outage(self) -> bool:
-        """Outage windows are on the wall clock (the first ``outage_seconds`` of every
-        ``outage_every_seconds`` since the epoch), so that they line up with the schedules' ticks:
-        with 1200 and 180, every :00, :20 and :40 past the hour."""
+    def in_outage(self, at: float | None = None) -> bool:
+        """Whether time ``at`` (default: now) falls in an outage. Periodic outage windows are on the wall
+        clock (the first ``outage_seconds`` of every ``outage_every_seconds`` since the epoch), so that
+        they line up with the schedules' ticks: with 1200 and 180, every :00, :20 and :40 past the hour.
+        The one-off window is [``started_at + outage_start_seconds``, that + ``outage_seconds``).
+        A request is judged at its arrival, before its latency."""
         p = self.profile
-        if not p.outage_every_seconds or not p.outage_seconds:
+        now = time.time() if at is None else at
+        if not p.outage_seconds:
             return False
-        return time.time() % p.outage_every_seconds < p.outage_seconds
+        if p.outage_every_seconds and now % p.outage_every_seconds < p.outage_seconds:
+            return True
+        if p.outage_start_seconds is not None:
+            start = self.started_at + p.outage_start_seconds
+            return start <= now < start + p.outage_seconds
+        return False
+
+    def outage_window(self) -> tuple[float, float] | None:
+        """The one-off outage as (start, end) ``time.time()`` floats, or None without one."""
+        p = self.profile
+        if p.outage_start_seconds is None or not p.outage_seconds:
+            return None
+        start = self.started_at + p.outage_start_seconds
+        return start, start + p.outage_seconds
+
+    def request_log(self) -> list[LogEntry]:
+        """A copy of the request log: (arrival, departure, status) per request, oldest first; arrival
+        when the server began handling it (before its latency), departure once the answer was written
+        or the connection broke (status 0). ``/_stats`` requests are not logged."""
+        with self._lock:
+            return list(self.stats.log)
 
     def menu_version(self, store: _Store) -> int:
         return int(self.elapsed() // (self.profile.change_seconds * store.change_every))
@@ -182,16 +222,23 @@ class SimulatedPlatform:
     def _serve(self, request: BaseHTTPRequestHandler) -> None:
         url = urlsplit(request.path)
         if url.path == "/_stats":
+            # Light by default; ``?log=1`` adds the request log (possibly large).
+            with_log = parse_qs(url.query).get("log", ["0"])[0] not in ("", "0")
             with self._lock:
                 body = {
                     "requests": self.stats.requests,
                     "in_flight": self.stats.in_flight,
                     "max_in_flight": self.stats.max_in_flight,
                     "answers": {str(k): v for k, v in self.stats.answers.items()},
+                    "logged": len(self.stats.log),
                 }
+                if with_log:
+                    body["log"] = [list(entry) for entry in self.stats.log]
             self._send(request, 200, body)
             return
         with self._lock:
+            # The times are taken under the lock, so the log orders requests as the counters do.
+            arrival = time.time()
             self.stats.requests += 1
             self.stats.in_flight += 1
             self.stats.max_in_flight = max(self.stats.max_in_flight, self.stats.in_flight)
@@ -199,27 +246,31 @@ class SimulatedPlatform:
             delay = (
                 self.profile.latency_ms / 1000 * (1 + self.profile.jitter * (2 * self._random.random() - 1))
             )
-        status = 0
+        status = sent = 0
         try:
+            outage = self.in_outage(arrival)
             time.sleep(max(0.0, delay))
-            status, body, headers = self._answer(url.path, parse_qs(url.query), draw)
+            status, body, headers = self._answer(url.path, parse_qs(url.query), draw, outage=outage)
             if status == -1:  # a hang: the client times out first
                 time.sleep(self.profile.timeout_sleep_seconds)
                 status, body, headers = 504, {"error": "upstream timeout"}, {}
             self._send(request, status, body, headers)
+            sent = status
         except (BrokenPipeError, ConnectionResetError):
             pass
         finally:
             with self._lock:
                 self.stats.in_flight -= 1
                 self.stats.answers[status] += 1
+                self.stats.log.append((arrival, time.time(), sent))
 
     def _answer(  # noqa: PLR0911 (one return per route and fault)
-        self, path: str, query: dict[str, list[str]], draw: float
+        self, path: str, query: dict[str, list[str]], draw: float, *, outage: bool = False
     ) -> tuple[int, Any, dict[str, str]]:
         p = self.profile
-        if self.in_outage():
-            return 503, {"error": f"{p.name} is down for maintenance"}, {"Retry-After": "30"}
+        if outage:
+            retry_after = str(p.outage_retry_after_seconds)
+            return 503, {"error": f"{p.name} is down for maintenance"}, {"Retry-After": retry_after}
         if draw < p.rate_429:
             return 429, {"error": "slow down"}, {"Retry-After": str(p.retry_after_seconds)}
         draw -= p.rate_429
@@ -297,6 +348,95 @@ class Simulator:
     def platforms_toml(self, **overrides: Any) -> str:
         """A platforms file pointing the generic adapter at these servers."""
         return platforms_toml({name: p.base_url for name, p in self.platforms.items()}, **overrides)
+
+    def politeness(
+        self,
+        limits: dict[str, tuple[int, float, int]],
+        windows: Iterable[tuple[str, float, float]] = (),
+    ) -> dict[str, dict[str, Any]]:
+        """``politeness_report`` for each platform named in ``limits`` (name -> (max_in_flight,
+        requests_per_second, burst)), over its request log, with the same ``windows`` for each."""
+        windows = list(windows)
+        return {
+            name: politeness_report(
+                self.platforms[name].request_log(),
+                max_in_flight=max_in_flight,
+                requests_per_second=rps,
+                burst=burst,
+                windows=windows,
+            )
+            for name, (max_in_flight, rps, burst) in limits.items()
+        }
+
+
+def politeness_report(
+    log: Iterable[LogEntry],
+    *,
+    max_in_flight: int,
+    requests_per_second: float,
+    burst: int,
+    windows: Iterable[tuple[str, float, float]] = (),
+) -> dict[str, Any]:
+    """How polite a client was to one server, from the server's log of (arrival, departure, status):
+
+    - ``requests``: how many requests;
+    - ``max_in_flight``: the most requests in flight at once (a departure at the same instant as an
+      arrival is taken first, so back-to-back requests do not overlap);
+    - ``over_in_flight``: the number of arrivals that took the requests in flight above
+      ``max_in_flight`` (each arrival counted once, however far above);
+    - ``max_starts_per_second``: the most arrivals in one calendar second (``int(arrival)``);
+    - ``seconds_over_rate``: the calendar seconds with more than ``requests_per_second + burst`` arrivals;
+    - ``max_starts_sliding_1s``: the most arrivals in any window [t, t + 1 s);
+    - ``windows``: for each (name, t0, t1), name -> ``{"requests": arrivals in [t0, t1), "answers":
+      {status: count}}``.
+
+    O(n log n) in the log's length (plus O(statuses * log n) per window).
+    """
+    entries = list(log)
+    arrivals = sorted(a for a, _, _ in entries)
+
+    # In flight: a sweep over +1 at arrivals and -1 at departures; at equal times -1 sorts first.
+    events = sorted([(a, 1) for a, _, _ in entries] + [(d, -1) for _, d, _ in entries])
+    in_flight = most = over = 0
+    for _, step in events:
+        in_flight += step
+        if step > 0:
+            most = max(most, in_flight)
+            if in_flight > max_in_flight:
+                over += 1
+
+    per_second = Counter(int(a) for a in arrivals)
+    allowed = requests_per_second + burst
+
+    sliding = start = 0
+    for end, t in enumerate(arrivals):
+        while arrivals[start] + 1.0 <= t:
+            start += 1
+        sliding = max(sliding, end - start + 1)
+
+    by_status: dict[int, list[float]] = {}
+    for a, _, status in entries:
+        by_status.setdefault(status, []).append(a)
+    for times in by_status.values():
+        times.sort()
+    window_reports: dict[str, dict[str, Any]] = {}
+    for name, t0, t1 in windows:
+        answers: dict[int, int] = {}
+        for status, times in sorted(by_status.items()):
+            n = bisect.bisect_left(times, t1) - bisect.bisect_left(times, t0)
+            if n > 0:
+                answers[status] = n
+        window_reports[name] = {"requests": sum(answers.values()), "answers": answers}
+
+    return {
+        "requests": len(entries),
+        "max_in_flight": most,
+        "over_in_flight": over,
+        "max_starts_per_second": max(per_second.values(), default=0),
+        "seconds_over_rate": sum(1 for n in per_second.values() if n > allowed),
+        "max_starts_sliding_1s": sliding,
+        "windows": window_reports,
+    }
 
 
 def platforms_toml(base_urls: dict[str, str], **overrides: Any) -> str:

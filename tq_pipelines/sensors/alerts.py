@@ -69,6 +69,15 @@ def queue_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -
                 f"{p['errors']} of {total} tasks on {p['platform']} ended in an error in the last "
                 f"{limits.platform_window_minutes} minutes (retried or failed). Latest: {p['last_error']}",
             )
+    for p in tq.queue.platform_status():
+        if p["state"] in ("paused", "probing"):
+            # One alert per outage: the key holds while the platform pauses and probes.
+            problems[f"paused:{p['platform']}"] = Alert(
+                f"platform {p['platform']} is paused",
+                f"every worker holds off {p['platform']} ({p['pauses']} pause(s) in a row"
+                + (f", {p['pause_seconds_left']:.0f} s left" if p["state"] == "paused" else ", probing")
+                + f"): {p['pause_reason']}. Its tasks wait without spending retries.",
+            )
     horizon = hours_to_next_resync(now, limits.resync_hour_utc)
     for c in tq.queue.capacity():
         finished = c.completed_last_hour + c.failed_last_hour

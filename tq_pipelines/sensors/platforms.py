@@ -1,0 +1,76 @@
+"""platform_status_sensor: the platforms' fleet-wide limits, loaded from the platforms file, and
+their live state (in flight, pause, errors) shown in the UI as observations of ``platform_limits``."""
+
+import json
+import time
+from typing import Any
+
+import dagster as dg
+
+from tq_pipelines.crawl.platforms import sync_limits
+from tq_pipelines.resources import CrawlResource, QueueResource
+
+PLATFORM_LIMITS = dg.AssetKey("platform_limits")
+
+platform_limits_asset = dg.AssetSpec(
+    PLATFORM_LIMITS,
+    description=(
+        "Each platform's politeness limits as every claimer enforces them (tq_platforms), and their "
+        "state: tasks in flight, pause and errors. Observed by platform_status_sensor."
+    ),
+    kinds={"postgres"},
+)
+
+# An observation at least this often, and at every change of a platform's state.
+OBSERVE_EVERY_SECONDS = 300
+
+
+def describe(row: dict[str, Any]) -> str:
+    """One platform in words, for the tick's message and the alerts."""
+    text = f"{row['platform']}: {row['state']}, {row['in_flight']}/{row['max_in_flight']} in flight"
+    if row["state"] == "paused":
+        text += f", {row['pause_seconds_left']:.0f} s left ({row['pause_reason']})"
+    elif row["state"] == "probing":
+        text += f", probe out after {row['pauses']} pause(s)"
+    if row["error_streak"]:
+        text += f", {row['error_streak']} error(s) in a row"
+    return text
+
+
+def observation(rows: list[dict[str, Any]]) -> dg.AssetObservation:
+    metadata: dict[str, Any] = {}
+    for r in rows:
+        p = r["platform"]
+        metadata[f"{p} state"] = r["state"]
+        metadata[f"{p} in_flight"] = dg.MetadataValue.int(r["in_flight"])
+        metadata[f"{p} max_in_flight"] = dg.MetadataValue.int(r["max_in_flight"])
+        metadata[f"{p} requests_per_second"] = dg.MetadataValue.float(float(r["requests_per_second"]))
+        metadata[f"{p} paused"] = dg.MetadataValue.int(int(r["state"] in ("paused", "probing")))
+        metadata[f"{p} pause_seconds_left"] = dg.MetadataValue.float(round(float(r["pause_seconds_left"]), 1))
+        metadata[f"{p} errors_total"] = dg.MetadataValue.int(r["errors_total"])
+        if r["pause_reason"]:
+            metadata[f"{p} pause_reason"] = r["pause_reason"]
+    return dg.AssetObservation(PLATFORM_LIMITS, metadata=metadata)
+
+
+@dg.sensor(minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING)
+def platform_status_sensor(
+    context: dg.SensorEvaluationContext, tq: QueueResource, crawl: CrawlResource
+) -> dg.SensorResult:
+    """Loads the platforms file's limits into the queue (so that an edit reaches every claimer
+    within a tick, drain runs or not), then reports each platform's state."""
+    settings = crawl.settings()
+    changed = sync_limits(tq.queue, settings) if settings else 0
+    if changed:
+        context.log.info("limits of %s platform(s) loaded from the platforms file", changed)
+    rows = tq.queue.platform_status()
+    states = {r["platform"]: r["state"] for r in rows}
+    last = json.loads(context.cursor) if context.cursor else {}
+    now = time.time()
+    due = states != last.get("states") or now - last.get("observed_at", 0) >= OBSERVE_EVERY_SECONDS
+    events = [observation(rows)] if rows and due else []
+    context.update_cursor(
+        json.dumps({"states": states, "observed_at": now if events else last.get("observed_at", 0)})
+    )
+    message = "; ".join(describe(r) for r in rows) or "no platform has limits (no platforms file?)"
+    return dg.SensorResult(asset_events=events, skip_reason=message)
