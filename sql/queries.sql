@@ -181,6 +181,9 @@ SELECT sync_platform_limits(%(limits)s) AS changed;
 -- name: platform_request
 SELECT decision, wait_seconds FROM platform_request(%(task_id)s, %(worker_id)s, %(first)s);
 
+-- name: platform_answered
+SELECT platform_answered(%(platform)s, %(task_id)s) AS closed;
+
 -- name: platform_error
 SELECT paused, wait_seconds FROM platform_error(%(platform)s, %(task_id)s, %(error)s, %(retry_after)s);
 
@@ -189,6 +192,16 @@ SELECT claim_wait(%(role)s) AS wait;
 
 -- name: platform_status
 SELECT * FROM v_platform_status ORDER BY platform;
+
+-- name: platform_counter_drift
+-- Platforms whose slot counter differs from their tasks in flight (none, while the triggers
+-- keep them): what repair_platform_counters would change, without changing it.
+SELECT l.platform, l.in_flight, count(t.id) AS running
+FROM tq_platforms l
+LEFT JOIN worker_tasks t ON t.platform = l.platform AND t.status IN ('claimed', 'running')
+GROUP BY l.platform, l.in_flight
+HAVING l.in_flight <> count(t.id)
+ORDER BY l.platform;
 
 -- name: repair_platform_counters
 SELECT platform, counted, in_flight, probe_cleared FROM repair_platform_counters();

@@ -114,23 +114,6 @@ BEGIN
       USING ERRCODE = '22023';
   END IF;
 
-  -- Heads that a task not yet due at their last derivation may now overtake.
-  SELECT array_agg(r.dispensary_id)
-  INTO v_stores
-  FROM (
-    SELECT h.dispensary_id
-    FROM worker_task_heads h
-    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
-    WHERE h.role = p_role
-      AND h.recheck_at <= now()
-    ORDER BY h.recheck_at
-    LIMIT 100
-    FOR UPDATE OF s SKIP LOCKED
-  ) r;
-  IF v_stores IS NOT NULL THEN
-    PERFORM tq_refresh_heads(v_stores, array_fill(p_role, ARRAY[cardinality(v_stores)]));
-  END IF;
-
   -- The platforms with pending work of this role ('' for none): skip scans of the heads and of
   -- store-less tasks, one index probe per platform.
   WITH RECURSIVE heads (platform) AS (
@@ -165,13 +148,31 @@ BEGIN
   END IF;
 
   -- The limited platforms among them, locked in platform order (every locker of several
-  -- platform rows takes them in this order). Claims of one platform queue here; that is what
+  -- platform rows takes them in this order), before any store: writers lock stores, then
+  -- platforms, and a claim waits only here. Claims of one platform queue here; that is what
   -- makes its limits exact.
   PERFORM 1
   FROM tq_platforms l
   WHERE l.platform = ANY (v_work)
   ORDER BY l.platform
   FOR UPDATE;
+
+  -- Heads that a task not yet due at their last derivation may now overtake.
+  SELECT array_agg(r.dispensary_id)
+  INTO v_stores
+  FROM (
+    SELECT h.dispensary_id
+    FROM worker_task_heads h
+    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+    WHERE h.role = p_role
+      AND h.recheck_at <= now()
+    ORDER BY h.recheck_at
+    LIMIT 100
+    FOR UPDATE OF s SKIP LOCKED
+  ) r;
+  IF v_stores IS NOT NULL THEN
+    PERFORM tq_refresh_heads(v_stores, array_fill(p_role, ARRAY[cardinality(v_stores)]));
+  END IF;
 
   -- A store picked below can come back empty only when its best task is locked by another
   -- writer (a cancel); try again without it rather than return less than is due. Each pass
@@ -251,7 +252,7 @@ BEGIN
     END IF;
 
     -- Each task of a limited platform gets its first request's start from the platform's GCRA,
-    -- in turn order (base = max(tat, now); start i = max(now, base + i/rate - (burst-1)/rate)),
+    -- in turn order (base = max(tat, now); start i = max(now, base + i/rate - tolerance)),
     -- and the platform's tat moves past them. The statement triggers mark the stores busy,
     -- re-derive their heads and count the platforms' new tasks in flight.
     RETURN QUERY
@@ -283,9 +284,10 @@ BEGIN
           greatest(
             now(),
             greatest(l.tat, now())
-              + make_interval(secs => ((row_number() OVER (PARTITION BY p.platform
-                                                           ORDER BY p.priority DESC, p.due_at, p.id) - 1)
-                                       - (l.burst - 1)) / l.requests_per_second))
+              + make_interval(secs => (row_number() OVER (PARTITION BY p.platform
+                                                          ORDER BY p.priority DESC, p.due_at, p.id) - 1)
+                                      / l.requests_per_second
+                                      - tq_platform_tolerance(l.burst, l.requests_per_second)))
         END AS send_at
       FROM picked p
       LEFT JOIN tq_platforms l ON l.platform = p.platform
@@ -295,6 +297,7 @@ BEGIN
       SET tat = greatest(l.tat, now()) + make_interval(secs => c.n / l.requests_per_second),
           -- A half-open platform's one task is its probe.
           probe_task_id = CASE WHEN l.pauses > 0 THEN c.first_id ELSE l.probe_task_id END,
+          probe_sent = CASE WHEN l.pauses > 0 THEN false ELSE l.probe_sent END,
           updated_at = now()
       FROM (SELECT m.platform, count(*) AS n, min(m.id) AS first_id FROM timed m GROUP BY m.platform) c
       WHERE l.platform = c.platform
@@ -364,7 +367,10 @@ CREATE FUNCTION public.claim_wait(p_role character varying) RETURNS double preci
     WHEN l.paused_until > now() THEN extract(EPOCH FROM l.paused_until - now())
     WHEN l.pauses > 0 AND l.probe_task_id IS NOT NULL THEN 0.5
     WHEN l.in_flight >= l.max_in_flight THEN 0.25
-    ELSE greatest(extract(EPOCH FROM greatest(l.tat, now()) - now()) - (l.burst - 1) / l.requests_per_second - 1, 0)
+    ELSE greatest(
+      extract(EPOCH FROM greatest(l.tat, now()) - now())
+        - tq_platform_tolerance(l.burst, l.requests_per_second) - 1,
+      0)
   END)::DOUBLE PRECISION
   FROM due d
   LEFT JOIN tq_platforms l ON l.platform = d.platform;
@@ -687,6 +693,29 @@ $$;
 
 
 --
+-- Name: platform_answered(character varying, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.platform_answered(p_platform character varying, p_task_id integer) RETURNS boolean
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  UPDATE tq_platforms p
+  SET pauses = 0,
+      paused_until = NULL,
+      probe_task_id = NULL,
+      probe_sent = false,
+      error_streak = 0,
+      updated_at = now()
+  WHERE p.platform = p_platform
+    AND p.probe_task_id = p_task_id
+    AND p.probe_sent;
+  RETURN FOUND;
+END;
+$$;
+
+
+--
 -- Name: platform_error(character varying, integer, text, interval); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -741,6 +770,7 @@ BEGIN
       pause_reason = v_error,
       pauses = p.pauses + 1,
       probe_task_id = NULL,
+      probe_sent = false,
       error_streak = 0,
       errors_total = p.errors_total + 1,
       last_error = v_error,
@@ -764,6 +794,7 @@ DECLARE
   v_send_at TIMESTAMPTZ;
   l tq_platforms;
   v_base TIMESTAMPTZ;
+  v_decision TEXT := 'go';
 BEGIN
   SELECT t.platform, t.send_at INTO v_platform, v_send_at
   FROM worker_tasks t
@@ -792,9 +823,16 @@ BEGIN
     RETURN QUERY SELECT 'paused'::TEXT, l.pause_seconds;
     RETURN;
   END IF;
+  IF l.pauses > 0 THEN
+    -- The probe asks the platform: its answer decides (platform_answered, platform_error).
+    v_decision := 'probe';
+    IF NOT l.probe_sent THEN
+      UPDATE tq_platforms p SET probe_sent = true WHERE p.platform = v_platform AND p.probe_task_id = p_task_id;
+    END IF;
+  END IF;
 
   IF coalesce(p_first, true) AND v_send_at IS NOT NULL THEN
-    RETURN QUERY SELECT 'go'::TEXT, greatest(extract(EPOCH FROM v_send_at - now()), 0)::DOUBLE PRECISION;
+    RETURN QUERY SELECT v_decision, greatest(extract(EPOCH FROM v_send_at - now()), 0)::DOUBLE PRECISION;
     RETURN;
   END IF;
 
@@ -804,8 +842,9 @@ BEGIN
   SET tat = v_base + make_interval(secs => 1 / p.requests_per_second)
   WHERE p.platform = v_platform;
   RETURN QUERY SELECT
-    'go'::TEXT,
-    greatest(extract(EPOCH FROM v_base - now()) - (l.burst - 1) / l.requests_per_second, 0)::DOUBLE PRECISION;
+    v_decision,
+    greatest(extract(EPOCH FROM v_base - now()) - tq_platform_tolerance(l.burst, l.requests_per_second), 0)
+      ::DOUBLE PRECISION;
 END;
 $$;
 
@@ -1075,6 +1114,7 @@ BEGIN
     UPDATE tq_platforms l
     SET in_flight = w.n,
         probe_task_id = CASE WHEN w.stale_probe THEN NULL ELSE l.probe_task_id END,
+        probe_sent = CASE WHEN w.stale_probe THEN false ELSE l.probe_sent END,
         updated_at = now()
     FROM wrong w
     WHERE l.platform = w.platform
@@ -1362,6 +1402,7 @@ CREATE TABLE public.tq_platforms (
     pause_reason text,
     pauses integer DEFAULT 0 NOT NULL,
     probe_task_id integer,
+    probe_sent boolean DEFAULT false NOT NULL,
     error_streak integer DEFAULT 0 NOT NULL,
     errors_total bigint DEFAULT 0 NOT NULL,
     last_error text,
@@ -1402,9 +1443,20 @@ CREATE FUNCTION public.tq_platform_quota(l public.tq_platforms) RETURNS integer
     ELSE greatest(0, least(
       l.max_in_flight - l.in_flight,
       -- starts s_i = max(now, base + i*T - tau) with s_i <= now + 1 s
-      floor((1.0 + (l.burst - 1) / l.requests_per_second
+      floor((1.0 + tq_platform_tolerance(l.burst, l.requests_per_second)
              - extract(EPOCH FROM greatest(l.tat, now()) - now())) * l.requests_per_second)::INTEGER + 1))
   END;
+$$;
+
+
+--
+-- Name: tq_platform_tolerance(integer, double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_platform_tolerance(p_burst integer, p_rate double precision) RETURNS double precision
+    LANGUAGE sql IMMUTABLE
+    AS $$
+  SELECT greatest((p_burst - 1) / p_rate - 0.1, 0);
 $$;
 
 
@@ -1431,9 +1483,11 @@ BEGIN
   UPDATE tq_platforms l
   SET in_flight = greatest(l.in_flight + c.delta, 0),
       error_streak = CASE WHEN c.completed > 0 THEN 0 ELSE l.error_streak END,
-      pauses = CASE WHEN l.probe_task_id = ANY (c.answered) THEN 0 ELSE l.pauses END,
-      paused_until = CASE WHEN l.probe_task_id = ANY (c.answered) THEN NULL ELSE l.paused_until END,
+      pauses = CASE WHEN l.probe_sent AND l.probe_task_id = ANY (c.answered) THEN 0 ELSE l.pauses END,
+      paused_until = CASE
+        WHEN l.probe_sent AND l.probe_task_id = ANY (c.answered) THEN NULL ELSE l.paused_until END,
       probe_task_id = CASE WHEN l.probe_task_id = ANY (c.released) THEN NULL ELSE l.probe_task_id END,
+      probe_sent = CASE WHEN l.probe_task_id = ANY (c.released) THEN false ELSE l.probe_sent END,
       updated_at = now()
   FROM (
     SELECT
@@ -1441,7 +1495,7 @@ BEGIN
       sum(x.delta)::INTEGER AS delta,
       count(*) FILTER (WHERE x.outcome = 'completed') AS completed,
       coalesce(array_agg(x.task_id) FILTER (WHERE x.delta < 0), '{}') AS released,
-      coalesce(array_agg(x.task_id) FILTER (WHERE x.outcome IN ('completed', 'failed')), '{}') AS answered
+      coalesce(array_agg(x.task_id) FILTER (WHERE x.outcome = 'completed'), '{}') AS answered
     FROM unnest(p_platforms, p_deltas, p_task_ids, p_outcomes) AS x (platform, delta, task_id, outcome)
     GROUP BY x.platform
   ) c
@@ -1673,7 +1727,8 @@ CREATE FUNCTION public.tq_tasks_platforms_truncated() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 BEGIN
-  UPDATE tq_platforms SET in_flight = 0, probe_task_id = NULL WHERE in_flight <> 0 OR probe_task_id IS NOT NULL;
+  UPDATE tq_platforms SET in_flight = 0, probe_task_id = NULL, probe_sent = false
+  WHERE in_flight <> 0 OR probe_task_id IS NOT NULL;
   RETURN NULL;
 END;
 $$;

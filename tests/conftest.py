@@ -15,6 +15,7 @@ from psycopg.conninfo import make_conninfo
 
 from tq_pipelines.db import embedded
 from tq_pipelines.db.migrate import migrate
+from tq_pipelines.db.queries import query
 from tq_pipelines.queue import TaskQueue
 
 # The webhook fixture lives with the Dagster test helpers.
@@ -67,10 +68,17 @@ def empty_db_url(pg_server: str) -> Iterator[str]:
 
 @pytest.fixture
 def db_url(pg_server: str, template_db: str) -> Iterator[str]:
-    """A fresh, migrated database of this test's own."""
+    """A fresh, migrated database of this test's own. After the test, every platform's slot
+    counter must still equal its tasks in flight, whatever the test did."""
     name = create_database(pg_server, template=template_db)
-    yield make_conninfo(pg_server, dbname=name)
-    drop_database(pg_server, name)
+    url = make_conninfo(pg_server, dbname=name)
+    yield url
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            drift = conn.execute(query("platform_counter_drift")).fetchall()
+        assert drift == [], f"platform counters differ from the tasks in flight: {drift}"
+    finally:
+        drop_database(pg_server, name)
 
 
 @pytest.fixture

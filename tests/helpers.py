@@ -54,21 +54,48 @@ def assert_store_state_consistent(conn: psycopg.Connection) -> None:
         """
     ).fetchall()
     assert wrong_active == [], f"store active task disagrees with worker_tasks: {wrong_active}"
-    # Every (store, role) with pending work has a head holding the claim-order key of its best
-    # due task, else of its next task to come due. (Heads of deleted tasks may linger.)
+    # Every (store, role) with pending work has a head holding the claim-order key and platform of
+    # its best due task, else of its next task to come due. (Heads of deleted tasks may linger.)
     wrong_heads = conn.execute(
         """
         WITH expected AS (
-          SELECT DISTINCT ON (dispensary_id, role) dispensary_id, role, priority, due_at
+          SELECT DISTINCT ON (dispensary_id, role)
+            dispensary_id, role, priority, due_at, coalesce(platform, '') AS platform
           FROM worker_tasks
           WHERE status = 'pending' AND dispensary_id IS NOT NULL
           ORDER BY dispensary_id, role, (due_at <= now()) DESC,
                    CASE WHEN due_at <= now() THEN -priority END, due_at, priority DESC, id
         )
-        SELECT e.dispensary_id, e.role, e.priority, e.due_at, h.priority, h.due_at
+        SELECT e.dispensary_id, e.role, e.priority, e.due_at, e.platform, h.priority, h.due_at, h.platform
         FROM expected e
         LEFT JOIN worker_task_heads h ON h.role = e.role AND h.dispensary_id = e.dispensary_id
-        WHERE (h.priority, h.due_at) IS DISTINCT FROM (e.priority, e.due_at)
+        WHERE (h.priority, h.due_at, h.platform) IS DISTINCT FROM (e.priority, e.due_at, e.platform)
         """
     ).fetchall()
     assert wrong_heads == [], f"heads disagree with the pending tasks: {wrong_heads}"
+
+
+def assert_platform_counters_consistent(conn: psycopg.Connection) -> None:
+    """Every tq_platforms row counts exactly its platform's claimed and running tasks, and its
+    probe (if any) is one of them."""
+    wrong = conn.execute(
+        """
+        SELECT l.platform, l.in_flight, coalesce(t.n, 0) AS actual
+        FROM tq_platforms l
+        LEFT JOIN (SELECT platform, count(*) AS n FROM worker_tasks
+                   WHERE status IN ('claimed', 'running') GROUP BY platform) t ON t.platform = l.platform
+        WHERE l.in_flight <> coalesce(t.n, 0)
+        """
+    ).fetchall()
+    assert wrong == [], f"tq_platforms.in_flight disagrees with the tasks in flight: {wrong}"
+    stale_probes = conn.execute(
+        """
+        SELECT l.platform, l.probe_task_id
+        FROM tq_platforms l
+        WHERE l.probe_task_id IS NOT NULL
+          AND NOT EXISTS (SELECT 1 FROM worker_tasks t
+                          WHERE t.id = l.probe_task_id AND t.platform = l.platform
+                            AND t.status IN ('claimed', 'running'))
+        """
+    ).fetchall()
+    assert stale_probes == [], f"a platform's probe is not one of its tasks in flight: {stale_probes}"

@@ -113,10 +113,11 @@ class PlatformLimits:
 
 @dataclass(frozen=True, slots=True)
 class RequestDecision:
-    """What the platform says to one request of a task: 'go' after ``wait_seconds``; 'paused'
+    """What the platform says to one request of a task: 'go' after ``wait_seconds``; 'probe'
+    (the same, and the task is the probe of a half-open platform: report its answer); 'paused'
     (give the task back for ``wait_seconds``); 'lost' (the task is no longer the worker's)."""
 
-    decision: Literal["go", "paused", "lost"]
+    decision: Literal["go", "probe", "paused", "lost"]
     wait_seconds: float
 
 
@@ -167,6 +168,8 @@ class TaskQueue:
             except psycopg.errors.InvalidParameterValue as exc:
                 raise QueueInputError(_server_message(exc)) from exc
             except psycopg.errors.ForeignKeyViolation as exc:
+                raise QueueInputError(_server_message(exc)) from exc
+            except psycopg.errors.CheckViolation as exc:
                 raise QueueInputError(_server_message(exc)) from exc
 
     def _one(self, name: str, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -391,6 +394,11 @@ class TaskQueue:
         }
         row = self._one("platform_error", params)
         return float(row["wait_seconds"]) if row["paused"] else None
+
+    def platform_answered(self, platform: str, task_id: int) -> bool:
+        """The probe of a half-open platform got an answer (not a 5xx or 429): the platform is
+        back for every worker. Returns whether this closed its breaker."""
+        return bool(self._one("platform_answered", {"platform": platform, "task_id": task_id})["closed"])
 
     def claim_wait(self, role: str) -> float | None:
         """None when ``role`` has no due work; else the seconds until a claim could take some

@@ -61,8 +61,9 @@ class PlatformPermit:
     request; each further request takes the next start the platform's rate allows. Every request
     asks PostgreSQL first, so a pause reaches tasks already claimed. A task's requests go one at
     a time: its one slot covers one request in flight. HTTP clients call :meth:`request` around
-    each request (``tq_pipelines.crawl.http.PoliteClient`` does) and :meth:`report_error` for
-    answers that speak of the platform.
+    each request (``tq_pipelines.crawl.http.PoliteClient`` does), :meth:`report_error` for
+    answers that speak of the platform (5xx, 429, timeouts) and :meth:`report_answer` for the
+    others (which reopens a half-open platform when this task is its probe).
     """
 
     def __init__(self, queue: TaskQueue, task: Task, worker_id: str, lease_lost: threading.Event) -> None:
@@ -72,6 +73,8 @@ class PlatformPermit:
         self.worker_id = worker_id
         self.lease_lost = lease_lost
         self.requests = 0
+        # The task probes its half-open platform: the first healthy answer reopens it for all.
+        self.probing = False
         self._one_at_a_time = threading.Lock()
 
     @contextmanager
@@ -83,6 +86,7 @@ class PlatformPermit:
             if answer.decision == "lost":
                 self.lease_lost.set()
                 raise LeaseLostError(f"lease on task {self.task.id} lost before a request")
+            self.probing = answer.decision == "probe"
             if answer.decision == "paused":
                 raise DeferTask(
                     max(answer.wait_seconds, 1.0),
@@ -94,6 +98,13 @@ class PlatformPermit:
                 raise LeaseLostError(f"lease on task {self.task.id} lost while waiting to send")
             self.requests += 1
             yield
+
+    def report_answer(self) -> None:
+        """An answer that is not an error of the platform's (anything but a 5xx, a 429, a
+        timeout): if this task is the platform's probe, the platform is back for every worker."""
+        if self.probing:
+            self.queue.platform_answered(self.platform, self.task.id)
+            self.probing = False
 
     def report_error(self, error: str, *, retry_after: float | None = None) -> float | None:
         """An answer that speaks of the platform (5xx, 429, a timeout): counted by its breaker.

@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS tq_platforms (
   -- over, the platform is half-open: one probe task at a time, until it answers.
   pauses INTEGER NOT NULL DEFAULT 0 CHECK (pauses >= 0),
   probe_task_id INTEGER,
+  probe_sent BOOLEAN NOT NULL DEFAULT false,                      -- the probe's request went out
   error_streak INTEGER NOT NULL DEFAULT 0 CHECK (error_streak >= 0),
   errors_total BIGINT NOT NULL DEFAULT 0,
   last_error TEXT,
@@ -139,8 +140,10 @@ SET plan_cache_mode = force_generic_plan;
 -- One entry per task that became active (+1) or stopped being active (-1, with its new status).
 -- Rows are locked in platform order, so that writers of several platforms cannot deadlock.
 -- A completed task is a healthy answer: the error streak starts over. The probe of a half-open
--- platform that completed (or failed for good: the platform answered) closes the breaker; a
--- probe given back (deferred, retried, recovered, cancelled) lets another task probe.
+-- platform that sent its request and completed closes the breaker (platform_answered closes it
+-- sooner, at the answer, whatever the task then does with it); a probe that ends otherwise
+-- (deferred, retried, failed, recovered, cancelled, or done without asking the platform
+-- anything) lets another task probe.
 CREATE OR REPLACE FUNCTION tq_platforms_apply(
   p_platforms VARCHAR[], p_deltas INTEGER[], p_task_ids INTEGER[], p_outcomes VARCHAR[]
 ) RETURNS VOID AS $$
@@ -160,9 +163,11 @@ BEGIN
   UPDATE tq_platforms l
   SET in_flight = greatest(l.in_flight + c.delta, 0),
       error_streak = CASE WHEN c.completed > 0 THEN 0 ELSE l.error_streak END,
-      pauses = CASE WHEN l.probe_task_id = ANY (c.answered) THEN 0 ELSE l.pauses END,
-      paused_until = CASE WHEN l.probe_task_id = ANY (c.answered) THEN NULL ELSE l.paused_until END,
+      pauses = CASE WHEN l.probe_sent AND l.probe_task_id = ANY (c.answered) THEN 0 ELSE l.pauses END,
+      paused_until = CASE
+        WHEN l.probe_sent AND l.probe_task_id = ANY (c.answered) THEN NULL ELSE l.paused_until END,
       probe_task_id = CASE WHEN l.probe_task_id = ANY (c.released) THEN NULL ELSE l.probe_task_id END,
+      probe_sent = CASE WHEN l.probe_task_id = ANY (c.released) THEN false ELSE l.probe_sent END,
       updated_at = now()
   FROM (
     SELECT
@@ -170,7 +175,7 @@ BEGIN
       sum(x.delta)::INTEGER AS delta,
       count(*) FILTER (WHERE x.outcome = 'completed') AS completed,
       coalesce(array_agg(x.task_id) FILTER (WHERE x.delta < 0), '{}') AS released,
-      coalesce(array_agg(x.task_id) FILTER (WHERE x.outcome IN ('completed', 'failed')), '{}') AS answered
+      coalesce(array_agg(x.task_id) FILTER (WHERE x.outcome = 'completed'), '{}') AS answered
     FROM unnest(p_platforms, p_deltas, p_task_ids, p_outcomes) AS x (platform, delta, task_id, outcome)
     GROUP BY x.platform
   ) c
@@ -224,7 +229,8 @@ $$ LANGUAGE plpgsql;
 
 CREATE OR REPLACE FUNCTION tq_tasks_platforms_truncated() RETURNS TRIGGER AS $$
 BEGIN
-  UPDATE tq_platforms SET in_flight = 0, probe_task_id = NULL WHERE in_flight <> 0 OR probe_task_id IS NOT NULL;
+  UPDATE tq_platforms SET in_flight = 0, probe_task_id = NULL, probe_sent = false
+  WHERE in_flight <> 0 OR probe_task_id IS NOT NULL;
   RETURN NULL;
 END;
 $$ LANGUAGE plpgsql;
@@ -353,9 +359,20 @@ END;
 $$ LANGUAGE plpgsql;
 
 ------------------------------------------------------------------------------------------------
+-- The GCRA's burst tolerance: how far ahead of the steady pace a start may be. (burst - 1)
+-- intervals, less 0.1 s: a request reaches its platform a little after the start it was given
+-- (a thread wakes late, a busy machine), and two requests that meet there must still leave the
+-- platform's every second within requests_per_second + burst.
+------------------------------------------------------------------------------------------------
+CREATE OR REPLACE FUNCTION tq_platform_tolerance(p_burst INTEGER, p_rate DOUBLE PRECISION)
+RETURNS DOUBLE PRECISION AS $$
+  SELECT greatest((p_burst - 1) / p_rate - 0.1, 0);
+$$ LANGUAGE sql IMMUTABLE;
+
+------------------------------------------------------------------------------------------------
 -- How many tasks a claim may take from a platform now, from its locked row: none while paused;
 -- one probe while half-open; else its free slots, and no more starts than its rate allows
--- within a second (the GCRA: one start per 1/rate, a burst of `burst` after an idle spell).
+-- within a second (the GCRA: one start per 1/rate, a burst of up to `burst` after an idle spell).
 -- Those tasks wait at most that second for their first request (send_at).
 ------------------------------------------------------------------------------------------------
 CREATE OR REPLACE FUNCTION tq_platform_quota(l tq_platforms) RETURNS INTEGER AS $$
@@ -366,7 +383,7 @@ CREATE OR REPLACE FUNCTION tq_platform_quota(l tq_platforms) RETURNS INTEGER AS 
     ELSE greatest(0, least(
       l.max_in_flight - l.in_flight,
       -- starts s_i = max(now, base + i*T - tau) with s_i <= now + 1 s
-      floor((1.0 + (l.burst - 1) / l.requests_per_second
+      floor((1.0 + tq_platform_tolerance(l.burst, l.requests_per_second)
              - extract(EPOCH FROM greatest(l.tat, now()) - now())) * l.requests_per_second)::INTEGER + 1))
   END;
 $$ LANGUAGE sql STABLE;
@@ -395,23 +412,6 @@ BEGIN
   IF p_max_tasks IS NULL OR p_max_tasks NOT BETWEEN 1 AND 1000 THEN
     RAISE EXCEPTION 'max_tasks must be between 1 and 1000, got %', coalesce(p_max_tasks::TEXT, 'NULL')
       USING ERRCODE = '22023';
-  END IF;
-
-  -- Heads that a task not yet due at their last derivation may now overtake.
-  SELECT array_agg(r.dispensary_id)
-  INTO v_stores
-  FROM (
-    SELECT h.dispensary_id
-    FROM worker_task_heads h
-    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
-    WHERE h.role = p_role
-      AND h.recheck_at <= now()
-    ORDER BY h.recheck_at
-    LIMIT 100
-    FOR UPDATE OF s SKIP LOCKED
-  ) r;
-  IF v_stores IS NOT NULL THEN
-    PERFORM tq_refresh_heads(v_stores, array_fill(p_role, ARRAY[cardinality(v_stores)]));
   END IF;
 
   -- The platforms with pending work of this role ('' for none): skip scans of the heads and of
@@ -448,13 +448,31 @@ BEGIN
   END IF;
 
   -- The limited platforms among them, locked in platform order (every locker of several
-  -- platform rows takes them in this order). Claims of one platform queue here; that is what
+  -- platform rows takes them in this order), before any store: writers lock stores, then
+  -- platforms, and a claim waits only here. Claims of one platform queue here; that is what
   -- makes its limits exact.
   PERFORM 1
   FROM tq_platforms l
   WHERE l.platform = ANY (v_work)
   ORDER BY l.platform
   FOR UPDATE;
+
+  -- Heads that a task not yet due at their last derivation may now overtake.
+  SELECT array_agg(r.dispensary_id)
+  INTO v_stores
+  FROM (
+    SELECT h.dispensary_id
+    FROM worker_task_heads h
+    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+    WHERE h.role = p_role
+      AND h.recheck_at <= now()
+    ORDER BY h.recheck_at
+    LIMIT 100
+    FOR UPDATE OF s SKIP LOCKED
+  ) r;
+  IF v_stores IS NOT NULL THEN
+    PERFORM tq_refresh_heads(v_stores, array_fill(p_role, ARRAY[cardinality(v_stores)]));
+  END IF;
 
   -- A store picked below can come back empty only when its best task is locked by another
   -- writer (a cancel); try again without it rather than return less than is due. Each pass
@@ -534,7 +552,7 @@ BEGIN
     END IF;
 
     -- Each task of a limited platform gets its first request's start from the platform's GCRA,
-    -- in turn order (base = max(tat, now); start i = max(now, base + i/rate - (burst-1)/rate)),
+    -- in turn order (base = max(tat, now); start i = max(now, base + i/rate - tolerance)),
     -- and the platform's tat moves past them. The statement triggers mark the stores busy,
     -- re-derive their heads and count the platforms' new tasks in flight.
     RETURN QUERY
@@ -566,9 +584,10 @@ BEGIN
           greatest(
             now(),
             greatest(l.tat, now())
-              + make_interval(secs => ((row_number() OVER (PARTITION BY p.platform
-                                                           ORDER BY p.priority DESC, p.due_at, p.id) - 1)
-                                       - (l.burst - 1)) / l.requests_per_second))
+              + make_interval(secs => (row_number() OVER (PARTITION BY p.platform
+                                                          ORDER BY p.priority DESC, p.due_at, p.id) - 1)
+                                      / l.requests_per_second
+                                      - tq_platform_tolerance(l.burst, l.requests_per_second)))
         END AS send_at
       FROM picked p
       LEFT JOIN tq_platforms l ON l.platform = p.platform
@@ -578,6 +597,7 @@ BEGIN
       SET tat = greatest(l.tat, now()) + make_interval(secs => c.n / l.requests_per_second),
           -- A half-open platform's one task is its probe.
           probe_task_id = CASE WHEN l.pauses > 0 THEN c.first_id ELSE l.probe_task_id END,
+          probe_sent = CASE WHEN l.pauses > 0 THEN false ELSE l.probe_sent END,
           updated_at = now()
       FROM (SELECT m.platform, count(*) AS n, min(m.id) AS first_id FROM timed m GROUP BY m.platform) c
       WHERE l.platform = c.platform
@@ -622,6 +642,8 @@ SET plan_cache_mode = force_generic_plan;
 -- A task's requests. Every request of a task to its platform asks first (one short call):
 --   'go'     start after wait_seconds (the first: what the claim reserved; a further one: the
 --            next start the platform's rate allows);
+--   'probe'  the same, and the task is the probe of a half-open platform: report its answer
+--            (platform_answered, or platform_error);
 --   'paused' the platform is paused (or a probe is out): give the task back for wait_seconds;
 --   'lost'   the task is no longer this worker's.
 -- Tasks of a platform without limits always 'go' at once.
@@ -633,6 +655,7 @@ DECLARE
   v_send_at TIMESTAMPTZ;
   l tq_platforms;
   v_base TIMESTAMPTZ;
+  v_decision TEXT := 'go';
 BEGIN
   SELECT t.platform, t.send_at INTO v_platform, v_send_at
   FROM worker_tasks t
@@ -661,9 +684,16 @@ BEGIN
     RETURN QUERY SELECT 'paused'::TEXT, l.pause_seconds;
     RETURN;
   END IF;
+  IF l.pauses > 0 THEN
+    -- The probe asks the platform: its answer decides (platform_answered, platform_error).
+    v_decision := 'probe';
+    IF NOT l.probe_sent THEN
+      UPDATE tq_platforms p SET probe_sent = true WHERE p.platform = v_platform AND p.probe_task_id = p_task_id;
+    END IF;
+  END IF;
 
   IF coalesce(p_first, true) AND v_send_at IS NOT NULL THEN
-    RETURN QUERY SELECT 'go'::TEXT, greatest(extract(EPOCH FROM v_send_at - now()), 0)::DOUBLE PRECISION;
+    RETURN QUERY SELECT v_decision, greatest(extract(EPOCH FROM v_send_at - now()), 0)::DOUBLE PRECISION;
     RETURN;
   END IF;
 
@@ -673,8 +703,27 @@ BEGIN
   SET tat = v_base + make_interval(secs => 1 / p.requests_per_second)
   WHERE p.platform = v_platform;
   RETURN QUERY SELECT
-    'go'::TEXT,
-    greatest(extract(EPOCH FROM v_base - now()) - (l.burst - 1) / l.requests_per_second, 0)::DOUBLE PRECISION;
+    v_decision,
+    greatest(extract(EPOCH FROM v_base - now()) - tq_platform_tolerance(l.burst, l.requests_per_second), 0)
+      ::DOUBLE PRECISION;
+END;
+$$ LANGUAGE plpgsql;
+
+-- The platform answered the probe of its half-open breaker (any answer but a 5xx or a 429: the
+-- platform is back): every worker may send again. Returns whether it closed the breaker.
+CREATE OR REPLACE FUNCTION platform_answered(p_platform VARCHAR, p_task_id INTEGER) RETURNS BOOLEAN AS $$
+BEGIN
+  UPDATE tq_platforms p
+  SET pauses = 0,
+      paused_until = NULL,
+      probe_task_id = NULL,
+      probe_sent = false,
+      error_streak = 0,
+      updated_at = now()
+  WHERE p.platform = p_platform
+    AND p.probe_task_id = p_task_id
+    AND p.probe_sent;
+  RETURN FOUND;
 END;
 $$ LANGUAGE plpgsql;
 
@@ -741,6 +790,7 @@ BEGIN
       pause_reason = v_error,
       pauses = p.pauses + 1,
       probe_task_id = NULL,
+      probe_sent = false,
       error_streak = 0,
       errors_total = p.errors_total + 1,
       last_error = v_error,
@@ -856,6 +906,7 @@ BEGIN
     UPDATE tq_platforms l
     SET in_flight = w.n,
         probe_task_id = CASE WHEN w.stale_probe THEN NULL ELSE l.probe_task_id END,
+        probe_sent = CASE WHEN w.stale_probe THEN false ELSE l.probe_sent END,
         updated_at = now()
     FROM wrong w
     WHERE l.platform = w.platform
@@ -887,7 +938,10 @@ CREATE OR REPLACE FUNCTION claim_wait(p_role VARCHAR) RETURNS DOUBLE PRECISION A
     WHEN l.paused_until > now() THEN extract(EPOCH FROM l.paused_until - now())
     WHEN l.pauses > 0 AND l.probe_task_id IS NOT NULL THEN 0.5
     WHEN l.in_flight >= l.max_in_flight THEN 0.25
-    ELSE greatest(extract(EPOCH FROM greatest(l.tat, now()) - now()) - (l.burst - 1) / l.requests_per_second - 1, 0)
+    ELSE greatest(
+      extract(EPOCH FROM greatest(l.tat, now()) - now())
+        - tq_platform_tolerance(l.burst, l.requests_per_second) - 1,
+      0)
   END)::DOUBLE PRECISION
   FROM due d
   LEFT JOIN tq_platforms l ON l.platform = d.platform;

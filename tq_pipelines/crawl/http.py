@@ -210,6 +210,8 @@ class PoliteClient:
                     host.paused_until = max(host.paused_until, time.monotonic() + after)
             message = f"HTTP {status} for {url}" + (f" (Retry-After {after:.0f} s)" if after else "")
             _platform_trouble(permit, message, after)
+        if permit is not None:
+            permit.report_answer()  # the platform answered: a probe's answer reopens it
         if status == 410:
             raise GoneError(url, status)
         # A 404 fails the task but does not switch the store off: a wrong path in the settings or a

@@ -9,6 +9,10 @@ Each server counts requests, answers and the most requests it ever had in flight
 arrival, departure and status, so that the crawler's politeness can be measured where the requests land:
 ``politeness_report`` turns such a log into the most requests in flight at once and request starts per
 second (calendar and sliding), overall and in given time windows (an outage, say).
+
+Besides the generic adapter's routes, ``GET /go/<path...>`` answers 302 with ``Location: /<path...>`` (the
+query string kept), so that a ``menu_path`` or ``menu_url`` under ``/go/`` makes every fetch two requests: a
+redirect hop, then the page. Outages and faults hit it as any other request.
 """
 
 import bisect
@@ -22,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit
 
 REGIONS = ("north", "south", "east")
 CATEGORIES = ("flower", "vape", "edible", "preroll", "concentrate", "tincture")
@@ -279,6 +283,9 @@ class SimulatedPlatform:
         draw -= p.rate_500
         if draw < p.rate_timeout:
             return -1, None, {}
+        if path.startswith("/go/"):  # a redirect hop to the rest of the path
+            location = path[len("/go") :] + (f"?{urlencode(query, doseq=True)}" if query else "")
+            return 302, {"location": location}, {"Location": location}
         parts = [unquote(x) for x in path.strip("/").split("/")]
         if parts == ["stores"]:
             region = query["region"][0] if query.get("region") else None
