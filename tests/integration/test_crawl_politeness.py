@@ -20,6 +20,7 @@ from typing import Any
 import dagster as dg
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from tests.dagster_helpers import failure_text, op_metadata
 from tests.integration.test_crawl_dagster import add_simulated_stores, drain, write_platforms
@@ -105,12 +106,13 @@ def drains_at_once(db_url: str, path: Path, runs: int, **config: Any) -> list[dg
 
 
 def platform_rows(conn: psycopg.Connection) -> dict[str, dict[str, Any]]:
-    with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
+    with conn.cursor(row_factory=dict_row) as cur:
         return {r["platform"]: r for r in cur.execute("SELECT * FROM v_platform_status").fetchall()}
 
 
 def tasks_by_store(conn: psycopg.Connection) -> dict[int, tuple[str, int, bool, bool]]:
-    """dispensary id -> (status, retry_count, claimed or deferred once (scheduled_for set), due later)."""
+    """dispensary id -> (status, retry_count, given back (deferred or retried: scheduled_for set),
+    due after now)."""
     rows = conn.execute(
         "SELECT dispensary_id, status, retry_count, scheduled_for IS NOT NULL, "
         "       coalesce(scheduled_for > now(), false) "
@@ -265,7 +267,6 @@ def test_an_outage_pauses_its_platform_for_the_run_without_spending_retries(
     )
     during = report["windows"]["outage"]
     assert during["answers"].get(503, 0) >= 1, (during, log[:5])  # the crawl did meet the outage
-    assert set(during["answers"]) == {503}, during
     assert during["requests"] <= max_in_flight + 4, during
     assert during["requests"] * 4 <= stores, during
     answers = Counter(status for _, _, status in log)

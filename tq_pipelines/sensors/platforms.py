@@ -21,7 +21,7 @@ platform_limits_asset = dg.AssetSpec(
     kinds={"postgres"},
 )
 
-# An observation at least this often, and at every change of a platform's state.
+# An observation at least this often, and at every change of a platform's state or limits.
 OBSERVE_EVERY_SECONDS = 300
 
 
@@ -64,7 +64,10 @@ def platform_status_sensor(
     if changed:
         context.log.info("limits of %s platform(s) loaded from the platforms file", changed)
     rows = tq.queue.platform_status()
-    states = {r["platform"]: r["state"] for r in rows}
+    states = {
+        r["platform"]: [r["state"], r["max_in_flight"], float(r["requests_per_second"]), r["burst"]]
+        for r in rows
+    }
     last = json.loads(context.cursor) if context.cursor else {}
     now = time.time()
     due = states != last.get("states") or now - last.get("observed_at", 0) >= OBSERVE_EVERY_SECONDS
