@@ -12,8 +12,10 @@ Layouts: ``adjacent`` (a store's tasks consecutive in claim order, the hard case
 second at 16 clients, measured in the same run; the ratio is tasks/s over that TPS.
 
 ``--before VERSION`` also builds a database with the migrations before VERSION only (the queue
-as it was) and runs every case on both, one after the other, so that a change's cost is
-measured in one run. The tasks' platform has no limits: this is the bare queue.
+as it was) and runs every case on both, ``--repeat`` times, alternating which goes first, so
+that a change's cost is measured in one run on a machine whose speed drifts; the rows are the
+medians, and a last column gives now / before. The tasks' platform has no limits: this is the
+bare queue.
 """
 
 import argparse
@@ -21,6 +23,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -201,6 +204,7 @@ def main() -> None:
     parser.add_argument(
         "--before", default="", help="also measure the schema as it was before this migration version"
     )
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each case per schema (medians)")
     args = parser.parse_args()
 
     tps = run_pgbench(args.url, args.pgbench_seconds)
@@ -210,24 +214,38 @@ def main() -> None:
     if args.before:
         schemas[f"before {args.before}"] = recreate_db(args.url, BENCH_DB + "_before")
         migrate(schemas[f"before {args.before}"], [m for m in load_migrations() if m.version < args.before])
-    print("| schema | layout | mode | workers | tasks | claim calls | seconds | tasks/s | x pgbench TPS |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    compare = " now / before |" if args.before else ""
+    header = "| schema | layout | mode | workers | tasks | claim calls | seconds | tasks/s | x pgbench TPS |"
+    print(header + compare)
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.before else ""))
     for layout in args.layouts.split(","):
         for mode in args.modes.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
-                for schema, url in schemas.items():
-                    load(url, args.tasks, args.stores, layout)
-                    done, claims, seconds = run_queue(url, workers, mode, args.batch)
-                    assert done == args.tasks, f"{done} of {args.tasks} completed"
-                    rate = done / seconds
-                    label = {
-                        "single": "single",
-                        "batch": f"batch {args.batch}",
-                        "worker": f"Worker, batch {args.batch}",
-                    }[mode]
+                runs: dict[str, list[tuple[int, float]]] = {name: [] for name in schemas}
+                for r in range(args.repeat):
+                    for schema in list(schemas)[:: 1 if r % 2 == 0 else -1]:
+                        load(schemas[schema], args.tasks, args.stores, layout)
+                        done, claims, seconds = run_queue(schemas[schema], workers, mode, args.batch)
+                        assert done == args.tasks, f"{done} of {args.tasks} completed"
+                        runs[schema].append((claims, seconds))
+                label = {
+                    "single": "single",
+                    "batch": f"batch {args.batch}",
+                    "worker": f"Worker, batch {args.batch}",
+                }[mode]
+                rates = {
+                    name: statistics.median(args.tasks / sec for _, sec in r) for name, r in runs.items()
+                }
+                for schema, r in runs.items():
+                    claims = int(statistics.median(c for c, _ in r))
+                    seconds = statistics.median(sec for _, sec in r)
+                    rate = rates[schema]
+                    ratio = (
+                        f" {rates['now'] / rate:.2f} |" if schema != "now" else (" |" if args.before else "")
+                    )
                     print(
-                        f"| {schema} | {layout} | {label} | {workers} | {done} | {claims} | {seconds:.2f} "
-                        f"| {rate:,.0f} | {rate / tps:.2f} |",
+                        f"| {schema} | {layout} | {label} | {workers} | {args.tasks} | {claims} "
+                        f"| {seconds:.2f} | {rate:,.0f} | {rate / tps:.2f} |{ratio}",
                         flush=True,
                     )
     tps_after = run_pgbench(args.url, args.pgbench_seconds)

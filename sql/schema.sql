@@ -1742,23 +1742,26 @@ CREATE FUNCTION public.tq_tasks_platforms_updated() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 BEGIN
-  -- Heartbeats and starts change no active set: one cheap pass finds nothing and stops here.
+  -- No platform has limits: nothing to count (the bare queue pays one probe of an empty table).
+  PERFORM 1 FROM tq_platforms LIMIT 1;
+  IF NOT FOUND THEN
+    RETURN NULL;
+  END IF;
+  -- One pass over the changed rows; heartbeats and starts change no active set.
   PERFORM tq_platforms_apply(array_agg(m.platform), array_agg(m.delta), array_agg(m.id), array_agg(m.outcome))
-  FROM (
-    SELECT o.platform, -1 AS delta, o.id, n.status::VARCHAR AS outcome
-    FROM old_tasks o
-    JOIN new_tasks n ON n.id = o.id
+  FROM old_tasks o
+  JOIN new_tasks n ON n.id = o.id
+  CROSS JOIN LATERAL (
+    SELECT o.platform, -1, o.id, n.status::VARCHAR
     WHERE o.status IN ('claimed', 'running')
       AND o.platform IS NOT NULL
       AND (n.status NOT IN ('claimed', 'running') OR n.platform IS DISTINCT FROM o.platform)
     UNION ALL
     SELECT n.platform, 1, n.id, NULL
-    FROM new_tasks n
-    JOIN old_tasks o ON o.id = n.id
     WHERE n.status IN ('claimed', 'running')
       AND n.platform IS NOT NULL
       AND (o.status NOT IN ('claimed', 'running') OR n.platform IS DISTINCT FROM o.platform)
-  ) m;
+  ) m (platform, delta, id, outcome);
   RETURN NULL;
 END;
 $$;
