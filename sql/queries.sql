@@ -181,6 +181,9 @@ SELECT sync_platform_limits(%(limits)s) AS changed;
 -- name: platform_request
 SELECT decision, wait_seconds FROM platform_request(%(task_id)s, %(worker_id)s, %(first)s);
 
+-- name: platform_release
+SELECT platform_release(%(task_id)s, %(worker_id)s) AS released;
+
 -- name: platform_answered
 SELECT platform_answered(%(platform)s, %(task_id)s) AS closed;
 
@@ -194,11 +197,12 @@ SELECT claim_wait(%(role)s) AS wait;
 SELECT * FROM v_platform_status ORDER BY platform;
 
 -- name: platform_counter_drift
--- Platforms whose slot counter differs from their tasks in flight (none, while the triggers
--- keep them): what repair_platform_counters would change, without changing it.
-SELECT l.platform, l.in_flight, count(t.id) AS running
+-- Platforms whose slot counter differs from their tasks holding a slot (claimed or running,
+-- send_at set): none while the triggers keep them. What repair_platform_counters would change.
+SELECT l.platform, l.in_flight, count(t.id) AS holding
 FROM tq_platforms l
-LEFT JOIN worker_tasks t ON t.platform = l.platform AND t.status IN ('claimed', 'running')
+LEFT JOIN worker_tasks t
+  ON t.platform = l.platform AND t.status IN ('claimed', 'running') AND t.send_at IS NOT NULL
 GROUP BY l.platform, l.in_flight
 HAVING l.in_flight <> count(t.id)
 ORDER BY l.platform;

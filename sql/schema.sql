@@ -783,6 +783,25 @@ $$;
 
 
 --
+-- Name: platform_release(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.platform_release(p_task_id integer, p_worker_id character varying) RETURNS boolean
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  UPDATE worker_tasks t
+  SET send_at = NULL
+  WHERE t.id = p_task_id
+    AND t.worker_id = p_worker_id
+    AND t.status IN ('claimed', 'running')
+    AND t.send_at IS NOT NULL;
+  RETURN FOUND;
+END;
+$$;
+
+
+--
 -- Name: platform_request(integer, character varying, boolean); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1096,6 +1115,7 @@ BEGIN
         SELECT a.id FROM worker_tasks a
         WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NULL)
       AND t.status IN ('claimed', 'running')
+      AND t.send_at IS NOT NULL
     GROUP BY t.platform
   ),
   wrong AS (
@@ -1340,7 +1360,8 @@ BEGIN
          SELECT a.id FROM worker_tasks a
          WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NULL)
        AND t.platform = x.platform
-       AND t.status IN ('claimed', 'running'))
+       AND t.status IN ('claimed', 'running')
+       AND t.send_at IS NOT NULL)
   FROM jsonb_to_recordset(p_limits) AS x (
     platform TEXT, max_in_flight INTEGER, requests_per_second DOUBLE PRECISION, burst INTEGER,
     pause_after_errors INTEGER, pause_seconds DOUBLE PRECISION, max_pause_seconds DOUBLE PRECISION)
@@ -1695,6 +1716,7 @@ BEGIN
   PERFORM tq_platforms_apply(array_agg(o.platform), array_agg(-1), array_agg(o.id), array_agg('deleted'::VARCHAR))
   FROM old_tasks o
   WHERE o.status IN ('claimed', 'running')
+    AND o.send_at IS NOT NULL
     AND o.platform IS NOT NULL;
   RETURN NULL;
 END;
@@ -1713,6 +1735,7 @@ BEGIN
   PERFORM tq_platforms_apply(array_agg(n.platform), array_agg(1), array_agg(n.id), array_agg(NULL::VARCHAR))
   FROM new_tasks n
   WHERE n.status IN ('claimed', 'running')
+    AND n.send_at IS NOT NULL
     AND n.platform IS NOT NULL;
   RETURN NULL;
 END;
@@ -1747,20 +1770,21 @@ BEGIN
   IF NOT FOUND THEN
     RETURN NULL;
   END IF;
-  -- One pass over the changed rows; heartbeats and starts change no active set.
+  -- One pass over the changed rows; heartbeats and starts take or give back no slot.
   PERFORM tq_platforms_apply(array_agg(m.platform), array_agg(m.delta), array_agg(m.id), array_agg(m.outcome))
   FROM old_tasks o
   JOIN new_tasks n ON n.id = o.id
   CROSS JOIN LATERAL (
+    SELECT
+      o.status IN ('claimed', 'running') AND o.send_at IS NOT NULL AND o.platform IS NOT NULL,
+      n.status IN ('claimed', 'running') AND n.send_at IS NOT NULL AND n.platform IS NOT NULL
+  ) h (old_holds, new_holds)
+  CROSS JOIN LATERAL (
     SELECT o.platform, -1, o.id, n.status::VARCHAR
-    WHERE o.status IN ('claimed', 'running')
-      AND o.platform IS NOT NULL
-      AND (n.status NOT IN ('claimed', 'running') OR n.platform IS DISTINCT FROM o.platform)
+    WHERE h.old_holds AND NOT (h.new_holds AND n.platform = o.platform)
     UNION ALL
     SELECT n.platform, 1, n.id, NULL
-    WHERE n.status IN ('claimed', 'running')
-      AND n.platform IS NOT NULL
-      AND (o.status NOT IN ('claimed', 'running') OR n.platform IS DISTINCT FROM o.platform)
+    WHERE h.new_holds AND NOT (h.old_holds AND n.platform = o.platform)
   ) m (platform, delta, id, outcome);
   RETURN NULL;
 END;

@@ -76,14 +76,15 @@ def assert_store_state_consistent(conn: psycopg.Connection) -> None:
 
 
 def assert_platform_counters_consistent(conn: psycopg.Connection) -> None:
-    """Every tq_platforms row counts exactly its platform's claimed and running tasks, and its
-    probe (if any) is one of them."""
+    """Every tq_platforms row counts exactly its platform's tasks holding a slot (claimed or
+    running, send_at set), and its probe (if any) is claimed or running."""
     wrong = conn.execute(
         """
         SELECT l.platform, l.in_flight, coalesce(t.n, 0) AS actual
         FROM tq_platforms l
         LEFT JOIN (SELECT platform, count(*) AS n FROM worker_tasks
-                   WHERE status IN ('claimed', 'running') GROUP BY platform) t ON t.platform = l.platform
+                   WHERE status IN ('claimed', 'running') AND send_at IS NOT NULL
+                   GROUP BY platform) t ON t.platform = l.platform
         WHERE l.in_flight <> coalesce(t.n, 0)
         """
     ).fetchall()

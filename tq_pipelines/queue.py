@@ -395,6 +395,11 @@ class TaskQueue:
         row = self._one("platform_error", params)
         return float(row["wait_seconds"]) if row["paused"] else None
 
+    def platform_release(self, task_id: int, worker_id: str) -> bool:
+        """The task is done with its platform's requests: its slot goes back now, not at its
+        outcome. Returns whether it held one."""
+        return bool(self._one("platform_release", {"task_id": task_id, "worker_id": worker_id})["released"])
+
     def platform_answered(self, platform: str, task_id: int) -> bool:
         """The probe of a half-open platform got an answer (not a 5xx or 429): the platform is
         back for every worker. Returns whether this closed its breaker."""

@@ -13,13 +13,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from tq_pipelines.db.queries import query
@@ -63,16 +64,27 @@ class PlatformPermit:
     a time: its one slot covers one request in flight. HTTP clients call :meth:`request` around
     each request (``tq_pipelines.crawl.http.PoliteClient`` does), :meth:`report_error` for
     answers that speak of the platform (5xx, 429, timeouts) and :meth:`report_answer` for the
-    others (which reopens a half-open platform when this task is its probe).
+    others (which reopens a half-open platform when this task is its probe). A handler done with
+    its requests calls :meth:`release` (``ctx.release_platform()``) so that the slot serves
+    another task while it stores what it fetched; else the slot goes back with its outcome.
     """
 
-    def __init__(self, queue: TaskQueue, task: Task, worker_id: str, lease_lost: threading.Event) -> None:
+    def __init__(
+        self,
+        queue: TaskQueue,
+        task: Task,
+        worker_id: str,
+        lease_lost: threading.Event,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
         self.queue = queue
+        self.on_release = on_release
         self.task = task
         self.platform = task.platform or ""
         self.worker_id = worker_id
         self.lease_lost = lease_lost
         self.requests = 0
+        self.released = False
         # The task probes its half-open platform: the first healthy answer reopens it for all.
         self.probing = False
         self._one_at_a_time = threading.Lock()
@@ -82,6 +94,10 @@ class PlatformPermit:
         """Hold the task's slot for one request: waits for its start; raises :class:`DeferTask`
         when the platform is paused, :class:`LeaseLostError` when the task is no longer ours."""
         with self._one_at_a_time:
+            if self.released:
+                raise RuntimeError(
+                    f"task {self.task.id} gave its {self.platform} slot back and cannot send more requests"
+                )
             answer = self.queue.platform_request(self.task.id, self.worker_id, first=self.requests == 0)
             if answer.decision == "lost":
                 self.lease_lost.set()
@@ -98,6 +114,15 @@ class PlatformPermit:
                 raise LeaseLostError(f"lease on task {self.task.id} lost while waiting to send")
             self.requests += 1
             yield
+
+    def release(self) -> None:
+        """Done with the platform: give the task's slot back now (idempotent)."""
+        with self._one_at_a_time:
+            if not self.released:
+                self.released = True
+                self.queue.platform_release(self.task.id, self.worker_id)
+                if self.on_release is not None:
+                    self.on_release()  # the worker may claim for the free slot now
 
     def report_answer(self) -> None:
         """An answer that is not an error of the platform's (anything but a 5xx, a 429, a
@@ -132,11 +157,20 @@ class TaskContext:
     last_progress: dict[str, Any] = field(default_factory=dict)
     # Requests to the task's platform (None: its platform has no limits).
     permit: PlatformPermit | None = None
+    # The task's completion committed with the handler's writes (complete() in transaction()).
+    completed: bool = False
+    _completing: bool = False
 
     @property
     def lost(self) -> bool:
         """True once the worker no longer owns the task: stop, the result will be discarded."""
         return self.lease_lost.is_set()
+
+    def release_platform(self) -> None:
+        """The handler is done with its platform's requests: its slot serves another task now,
+        while this one goes on (storing what it fetched). No-op without platform limits."""
+        if self.permit is not None:
+            self.permit.release()
 
     def check_lease(self) -> None:
         """Raise :class:`LeaseLostError` if the lease is known to be lost."""
@@ -155,12 +189,31 @@ class TaskContext:
         :class:`LeaseLostError` (writing nothing) when the task is no longer this worker's."""
         if self.pool is None:
             raise RuntimeError("this worker has no database pool for its handlers")
+        self._completing = False
         with self.pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
             params = {"task_id": self.task.id, "worker_id": self.worker_id}
             if cur.execute(query("task_still_owned"), params).fetchone() is None:
                 self.lease_lost.set()
                 raise LeaseLostError(f"lease on task {self.task.id} lost: nothing written")
             yield cur
+        # Committed: a completion written in it is now as true as the writes.
+        self.completed = self.completed or self._completing
+
+    def complete(self, cur: psycopg.Cursor[dict[str, Any]], result: JSON) -> None:
+        """Complete the task in the handler's transaction (``with ctx.transaction() as cur``):
+        its writes and its completion commit together, or neither does, so a crash at any point
+        never leaves the writes done and the task due again. Fenced by the lease: when the task
+        is no longer this worker's it raises :class:`LeaseLostError` and the writes roll back.
+        The handler then returns ``result`` as usual; the worker records nothing more."""
+        try:
+            _to_jsonb_text(result)
+        except (TypeError, ValueError) as exc:
+            raise PermanentTaskError(f"handler result cannot be stored as JSON: {exc}") from exc
+        params = {"task_id": self.task.id, "worker_id": self.worker_id, "result": Jsonb(result)}
+        if not cur.execute(query("complete_task"), params).fetchone()["ok"]:  # type: ignore[index]
+            self.lease_lost.set()
+            raise LeaseLostError(f"lease on task {self.task.id} lost: nothing written")
+        self._completing = True
 
 
 Handler = Callable[[Task, TaskContext], JSON]
@@ -263,6 +316,8 @@ class Worker:
         self._in_flight: dict[int, TaskContext] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # Set when a handler finishes or gives its platform slot back: time to record and claim.
+        self._wake = threading.Event()
 
     def stop(self) -> None:
         """Ask the worker to stop claiming; it finishes what it holds."""
@@ -315,7 +370,8 @@ class Worker:
                     # Platforms free up without our handlers finishing (other runs complete,
                     # rates refill): a short claim is retried within a second.
                     timeout = min(self.heartbeat_seconds, 1.0) if short else self.heartbeat_seconds
-                    done, _ = wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
+                    self._wake.wait(timeout)
+                    self._wake.clear()
                     short = False
                     # Whatever else finished meanwhile is recorded in the same write.
                     done = {f for f in running if f.done()}
@@ -369,7 +425,7 @@ class Worker:
         for t in tasks:
             ctx = TaskContext(t, self.worker_id, self.log, pool=self.queue.pool, services=self.services)
             if t.send_at is not None:  # the claim reserved its platform's start: a limited platform
-                ctx.permit = PlatformPermit(self.queue, t, self.worker_id, ctx.lease_lost)
+                ctx.permit = PlatformPermit(self.queue, t, self.worker_id, ctx.lease_lost, self._wake.set)
             contexts.append(ctx)
         with self._lock:
             self._in_flight.update((c.task.id, c) for c in contexts)
@@ -379,7 +435,9 @@ class Worker:
         self, pool: ThreadPoolExecutor, running: dict[Future[_Outcome], TaskContext], tasks: list[Task]
     ) -> list[_Outcome]:
         for ctx in self._contexts(tasks):
-            running[pool.submit(self._run_one, ctx)] = ctx
+            future = pool.submit(self._run_one, ctx)
+            future.add_done_callback(lambda _: self._wake.set())
+            running[future] = ctx
         return []
 
     def _run_one(self, ctx: TaskContext) -> _Outcome:
@@ -388,11 +446,12 @@ class Worker:
         permit = current_permit.set(ctx.permit)
         try:
             result = self.handler(ctx.task, ctx)
-            try:
-                outcome.result_json = _to_jsonb_text(result)
-            except (TypeError, ValueError) as exc:
-                outcome.error = f"handler result cannot be stored as JSON: {exc}"
-                outcome.retryable = False
+            if not ctx.completed:
+                try:
+                    outcome.result_json = _to_jsonb_text(result)
+                except (TypeError, ValueError) as exc:
+                    outcome.error = f"handler result cannot be stored as JSON: {exc}"
+                    outcome.retryable = False
         except LeaseLostError:
             ctx.lease_lost.set()
         except DeferTask as exc:
@@ -408,6 +467,10 @@ class Worker:
             outcome.error = f"{type(exc).__name__}: {exc}"
         finally:
             current_permit.reset(permit)
+        if ctx.completed and (outcome.error is not None or outcome.defer_seconds is not None):
+            # Its completion committed with its writes; what it raised afterwards changes nothing.
+            self.log.warning("task %s raised after its completion committed: %s", ctx.task.id, outcome.error)
+            outcome.error = outcome.defer_seconds = None
         if outcome.error is not None and outcome.defer_seconds is None and ctx.last_progress:
             # Where the handler got to, for whoever reads the error at 3 a.m.
             outcome.error += f" (after: {json.dumps(ctx.last_progress, default=str)})"
@@ -422,13 +485,19 @@ class Worker:
         with self._lock:
             for o in outcomes:
                 self._in_flight.pop(o.ctx.task.id, None)
-        successes = {o.ctx.task.id: o.result_json for o in outcomes if o.error is None and not o.ctx.lost}
+        successes = {
+            o.ctx.task.id: o.result_json
+            for o in outcomes
+            if o.error is None and not o.ctx.completed and not o.ctx.lost
+        }
         completed = self.queue.complete_many_json(self.worker_id, successes)  # type: ignore[arg-type]
         self.stats.completed += len(completed)
         self.stats.lost += len(successes) - len(completed)
         for o in outcomes:
             self.stats.handler_seconds += o.seconds
-            if o.ctx.lost:
+            if o.ctx.completed:
+                self.stats.completed += 1
+            elif o.ctx.lost:
                 self.stats.lost += 1
             elif o.defer_seconds is not None:
                 if self.queue.defer(o.ctx.task.id, self.worker_id, o.defer_seconds):
@@ -462,7 +531,8 @@ class Worker:
             # A missed heartbeat is not fatal: the lease outlives several intervals.
             self.log.exception("heartbeat failed")
             return set()
-        lost = set(held) - owned
+        # A task completed in its handler's transaction is no longer owned, and not lost.
+        lost = {i for i in set(held) - owned if not held[i].completed}
         for task_id in lost:
             held[task_id].lease_lost.set()
             self.log.warning("lease lost on task %s: its result will be discarded", task_id)

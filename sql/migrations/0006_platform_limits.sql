@@ -5,9 +5,11 @@
 --   tasks in flight, the GCRA of its request starts, its pause and its error streak.
 -- - Claims take a platform's tasks only while it has room, in turns across platforms, and give
 --   each task the time its first request may start (worker_tasks.send_at).
--- - Triggers on worker_tasks keep in_flight equal to the platform's claimed and running tasks for
---   every writer (completion, failure, deferral, cancellation, recovery, anyone's SQL), in the
---   writer's own transaction: a slot cannot outlive its task's lease.
+-- - A task holds a slot of its platform from its claim (which sets send_at) until it gives it back
+--   after its last request (platform_release clears send_at) or stops being claimed or running.
+--   Triggers on worker_tasks keep in_flight equal to the tasks holding a slot for every writer
+--   (completion, failure, deferral, cancellation, recovery, anyone's SQL), in the writer's own
+--   transaction: a slot cannot outlive its task's lease.
 -- - platform_request / platform_error: a task's further requests take starts from the same GCRA,
 --   and errors trip the platform's breaker for every worker.
 
@@ -45,7 +47,8 @@ CREATE TABLE IF NOT EXISTS tq_platforms (
 COMMENT ON TABLE tq_platforms IS
   'Per-platform politeness limits shared by every claimer, and their live state (kept by the queue)';
 
--- When the claim let a task's first request start (its platform's rate); NULL: no limit.
+-- When the claim let a task's first request start (its platform's rate). Set while the task
+-- holds a slot of its platform; NULL: no limit, or the slot was given back.
 ALTER TABLE worker_tasks ADD COLUMN IF NOT EXISTS send_at TIMESTAMPTZ;
 
 ------------------------------------------------------------------------------------------------
@@ -134,10 +137,11 @@ $$ LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan;
 
 ------------------------------------------------------------------------------------------------
--- Slots: tasks entering or leaving the active states, applied to their platforms' rows.
+-- Slots: a task holds one while it is claimed or running with a send_at; tasks taking or giving
+-- back a slot are applied to their platforms' rows.
 ------------------------------------------------------------------------------------------------
 
--- One entry per task that became active (+1) or stopped being active (-1, with its new status).
+-- One entry per task that took a slot (+1) or gave it back (-1, with its new status).
 -- Rows are locked in platform order, so that writers of several platforms cannot deadlock.
 -- A completed task is a healthy answer: the error streak starts over. The probe of a half-open
 -- platform that sent its request and completed closes the breaker (platform_answered closes it
@@ -189,6 +193,7 @@ BEGIN
   PERFORM tq_platforms_apply(array_agg(n.platform), array_agg(1), array_agg(n.id), array_agg(NULL::VARCHAR))
   FROM new_tasks n
   WHERE n.status IN ('claimed', 'running')
+    AND n.send_at IS NOT NULL
     AND n.platform IS NOT NULL;
   RETURN NULL;
 END;
@@ -201,20 +206,21 @@ BEGIN
   IF NOT FOUND THEN
     RETURN NULL;
   END IF;
-  -- One pass over the changed rows; heartbeats and starts change no active set.
+  -- One pass over the changed rows; heartbeats and starts take or give back no slot.
   PERFORM tq_platforms_apply(array_agg(m.platform), array_agg(m.delta), array_agg(m.id), array_agg(m.outcome))
   FROM old_tasks o
   JOIN new_tasks n ON n.id = o.id
   CROSS JOIN LATERAL (
+    SELECT
+      o.status IN ('claimed', 'running') AND o.send_at IS NOT NULL AND o.platform IS NOT NULL,
+      n.status IN ('claimed', 'running') AND n.send_at IS NOT NULL AND n.platform IS NOT NULL
+  ) h (old_holds, new_holds)
+  CROSS JOIN LATERAL (
     SELECT o.platform, -1, o.id, n.status::VARCHAR
-    WHERE o.status IN ('claimed', 'running')
-      AND o.platform IS NOT NULL
-      AND (n.status NOT IN ('claimed', 'running') OR n.platform IS DISTINCT FROM o.platform)
+    WHERE h.old_holds AND NOT (h.new_holds AND n.platform = o.platform)
     UNION ALL
     SELECT n.platform, 1, n.id, NULL
-    WHERE n.status IN ('claimed', 'running')
-      AND n.platform IS NOT NULL
-      AND (o.status NOT IN ('claimed', 'running') OR n.platform IS DISTINCT FROM o.platform)
+    WHERE h.new_holds AND NOT (h.old_holds AND n.platform = o.platform)
   ) m (platform, delta, id, outcome);
   RETURN NULL;
 END;
@@ -225,6 +231,7 @@ BEGIN
   PERFORM tq_platforms_apply(array_agg(o.platform), array_agg(-1), array_agg(o.id), array_agg('deleted'::VARCHAR))
   FROM old_tasks o
   WHERE o.status IN ('claimed', 'running')
+    AND o.send_at IS NOT NULL
     AND o.platform IS NOT NULL;
   RETURN NULL;
 END;
@@ -712,6 +719,21 @@ BEGIN
 END;
 $$ LANGUAGE plpgsql;
 
+-- A task done with its platform's requests gives its slot back before it finishes (it goes on to
+-- store what it fetched): the slot covers requests, not the work after them. Returns whether it
+-- held one.
+CREATE OR REPLACE FUNCTION platform_release(p_task_id INTEGER, p_worker_id VARCHAR) RETURNS BOOLEAN AS $$
+BEGIN
+  UPDATE worker_tasks t
+  SET send_at = NULL
+  WHERE t.id = p_task_id
+    AND t.worker_id = p_worker_id
+    AND t.status IN ('claimed', 'running')
+    AND t.send_at IS NOT NULL;
+  RETURN FOUND;
+END;
+$$ LANGUAGE plpgsql;
+
 -- The platform answered the probe of its half-open breaker (any answer but a 5xx or a 429: the
 -- platform is back): every worker may send again. Returns whether it closed the breaker.
 CREATE OR REPLACE FUNCTION platform_answered(p_platform VARCHAR, p_task_id INTEGER) RETURNS BOOLEAN AS $$
@@ -848,7 +870,8 @@ BEGIN
          SELECT a.id FROM worker_tasks a
          WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NULL)
        AND t.platform = x.platform
-       AND t.status IN ('claimed', 'running'))
+       AND t.status IN ('claimed', 'running')
+       AND t.send_at IS NOT NULL)
   FROM jsonb_to_recordset(p_limits) AS x (
     platform TEXT, max_in_flight INTEGER, requests_per_second DOUBLE PRECISION, burst INTEGER,
     pause_after_errors INTEGER, pause_seconds DOUBLE PRECISION, max_pause_seconds DOUBLE PRECISION)
@@ -871,9 +894,9 @@ END;
 $$ LANGUAGE plpgsql;
 
 ------------------------------------------------------------------------------------------------
--- The check: counters against the tasks really in flight. The triggers keep them equal; a
--- difference means someone wrote around them (triggers disabled, a platform row added while
--- its tasks were claimed). Repairs, and returns what it repaired.
+-- The check: counters against the tasks really holding slots. The triggers keep them equal; a
+-- difference means someone wrote around them (triggers disabled, a platform row dropped and
+-- added back). Repairs, and returns what it repaired.
 ------------------------------------------------------------------------------------------------
 CREATE OR REPLACE FUNCTION repair_platform_counters()
 RETURNS TABLE (platform VARCHAR, counted INTEGER, in_flight INTEGER, probe_cleared BOOLEAN) AS $$
@@ -891,6 +914,7 @@ BEGIN
         SELECT a.id FROM worker_tasks a
         WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NULL)
       AND t.status IN ('claimed', 'running')
+      AND t.send_at IS NOT NULL
     GROUP BY t.platform
   ),
   wrong AS (

@@ -76,12 +76,14 @@ def status_of(queue: TaskQueue, platform: str) -> dict[str, Any]:
 
 
 def in_flight(conn: psycopg.Connection, platform: str) -> tuple[int, int]:
-    """(tq_platforms.in_flight, the platform's claimed and running tasks), from one snapshot."""
+    """(tq_platforms.in_flight, the platform's tasks holding a slot: claimed or running with a
+    send_at), from one snapshot."""
     return conn.execute(
         """
         SELECT l.in_flight,
                (SELECT count(*) FROM worker_tasks t
-                WHERE t.platform = l.platform AND t.status IN ('claimed', 'running'))::int
+                WHERE t.platform = l.platform AND t.status IN ('claimed', 'running')
+                  AND t.send_at IS NOT NULL)::int
         FROM tq_platforms l WHERE l.platform = %s
         """,
         (platform,),
@@ -121,7 +123,8 @@ def _watch_platforms(
                     FROM tq_platforms l
                     CROSS JOIN LATERAL (SELECT count(*)::int AS n FROM worker_tasks t
                                         WHERE t.platform = l.platform
-                                          AND t.status IN ('claimed', 'running')) a
+                                          AND t.status IN ('claimed', 'running')
+                                          AND t.send_at IS NOT NULL) a
                     WHERE l.in_flight <> a.n
                     """
                 ).fetchall()
@@ -691,6 +694,13 @@ def test_slots_come_back_on_every_path(conn: psycopg.Connection, queue: TaskQueu
     conn.execute("UPDATE worker_tasks SET platform = 'elsewhere' WHERE id = %s", (ids[8],))
     released(3)
     assert in_flight(conn, "elsewhere") == (1, 1)
+    # A row written as running by hand holds a slot when it says so (send_at), as a claim does.
+    conn.execute(
+        "INSERT INTO worker_tasks (role, platform, status, worker_id, claimed_at, send_at) "
+        "VALUES (%s, 'limited', 'running', 'w', now(), now())",
+        (ROLE,),
+    )
+    released(4)
     conn.execute(
         "INSERT INTO worker_tasks (role, platform, status, worker_id, claimed_at) "
         "VALUES (%s, 'limited', 'running', 'w', now())",
@@ -752,15 +762,18 @@ def test_sync_changes_limits_and_keeps_state(conn: psycopg.Connection, queue: Ta
     assert queue.sync_platform_limits([PlatformLimits("alpha", 4, 20.0, burst=2, pause_seconds=7.0)]) == 0
     assert len(queue.claim_many(ROLE, "w", 8)) == 1, "the new max_in_flight (4) counts the 3 in flight"
 
-    # Tasks in flight before their platform had a row.
-    add_platform_tasks(conn, "beta", add_stores(conn, 6, platform="beta"))
+    # Tasks claimed before their platform had a row hold no slot (no send_at: claimed without
+    # limits); the limits count from the first claim under them.
+    add_platform_tasks(conn, "beta", add_stores(conn, 8, platform="beta"))
     add_platform_tasks(conn, "beta", [None])
-    assert len(queue.claim_many(ROLE, "w", 4)) == 4
-    assert queue.sync_platform_limits([PlatformLimits("beta", 5, FAST)]) == 1
-    assert in_flight(conn, "beta") == (4, 4)
+    early = queue.claim_many(ROLE, "w", 4)
+    assert len(early) == 4 and all(t.send_at is None for t in early)
+    assert queue.sync_platform_limits([PlatformLimits("beta", 3, FAST)]) == 1
+    assert in_flight(conn, "beta") == (0, 0)
     assert queue.repair_platform_counters() == []
-    assert [t.platform for t in queue.claim_many(ROLE, "w", 8)] == ["beta"]
-    assert in_flight(conn, "beta") == (5, 5)
+    later = queue.claim_many(ROLE, "w", 8)
+    assert [t.platform for t in later] == ["beta"] * 3 and all(t.send_at is not None for t in later)
+    assert in_flight(conn, "beta") == (3, 3)
 
     snapshot = conn.execute("SELECT * FROM tq_platforms ORDER BY platform").fetchall()
     bad_inputs = [
@@ -819,4 +832,27 @@ def test_claim_wait_tells_how_long_until_a_claim_could_take_work(conn: psycopg.C
     wait = queue.claim_wait(ROLE)
     assert wait is not None
     assert 0.5 < wait <= 1.0
+    assert_platform_counters_consistent(conn)
+
+
+def test_a_task_done_with_its_requests_gives_its_slot_back(conn: psycopg.Connection, queue: TaskQueue):
+    """platform_release: a task done with its platform's requests frees its slot while it goes on
+    (storing what it fetched), so another task can be claimed; its outcome then frees nothing
+    twice, and a second release finds nothing to give back."""
+    queue.sync_platform_limits([PlatformLimits("limited", 2, FAST)])
+    add_platform_tasks(conn, "limited", add_stores(conn, 4, platform="limited"))
+    first, second = queue.claim_many(ROLE, "w", 8, start=True)
+    assert queue.claim_many(ROLE, "w2", 8) == []
+    assert queue.platform_release(first.id, "w")
+    assert in_flight(conn, "limited") == (1, 1)
+    assert queue.get(first.id).status == "running"  # type: ignore[union-attr]
+    assert not queue.platform_release(first.id, "w2"), "fenced: only the owner gives the slot back"
+    [third] = queue.claim_many(ROLE, "w2", 8)
+    assert in_flight(conn, "limited") == (2, 2)
+    assert queue.complete_many("w", {first.id: None}) == {first.id}
+    assert in_flight(conn, "limited") == (2, 2), "its slot was already back: nothing freed twice"
+    assert not queue.platform_release(first.id, "w")
+    assert queue.complete_many("w", {second.id: None}) == {second.id}
+    assert queue.complete_many("w2", {third.id: None}) == {third.id}
+    assert in_flight(conn, "limited") == (0, 0)
     assert_platform_counters_consistent(conn)

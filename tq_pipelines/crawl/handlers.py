@@ -2,7 +2,9 @@
 
 HTTP goes through the run's :class:`CrawlServices` (``ctx.services``); database writes go through
 ``ctx.transaction()``, which is fenced by the task's lease: a handler that lost its task writes
-nothing. Every write is idempotent, so a task run twice (a lease lost after the commit) is safe.
+nothing. Each handler completes its task in the transaction of its writes (``ctx.complete``), so
+the writes and the completion commit together: a crash leaves both or neither, and a task is
+never done twice because its completion was lost. Every write is idempotent besides.
 """
 
 from typing import Any
@@ -56,6 +58,7 @@ def store_discovery(task: Task, ctx: TaskContext) -> JSON:
             "store_discovery needs a platform (payload {'platform': ..., 'region': ...})"
         )
     listings = _services(ctx).adapter(platform).list_stores(region)
+    ctx.release_platform()
     ctx.progress("listed", stores=len(listings))
     ctx.check_lease()
     stores = [{"id": s.directory_id, "name": s.name, "region": s.region} for s in listings]
@@ -63,12 +66,14 @@ def store_discovery(task: Task, ctx: TaskContext) -> JSON:
         rows = cur.execute(
             query("upsert_listed_stores"), {"platform": platform, "stores": Jsonb(stores)}
         ).fetchall()
-    return {
-        "platform": platform,
-        "region": region,
-        "listed": len(rows),
-        "new": sum(1 for r in rows if r["created"]),
-    }
+        result = {
+            "platform": platform,
+            "region": region,
+            "listed": len(rows),
+            "new": sum(1 for r in rows if r["created"]),
+        }
+        ctx.complete(cur, result)
+    return result
 
 
 def entry_point_discovery(task: Task, ctx: TaskContext) -> JSON:
@@ -84,6 +89,7 @@ def entry_point_discovery(task: Task, ctx: TaskContext) -> JSON:
         entry = _services(ctx).adapter(store["menu_type"]).resolve_entry_point(directory_id)
     except GoneError as exc:
         raise _gone(ctx, store, exc) from exc
+    ctx.release_platform()
     ctx.check_lease()
     with ctx.transaction() as cur:
         cur.execute(
@@ -106,11 +112,13 @@ def entry_point_discovery(task: Task, ctx: TaskContext) -> JSON:
                 "payload": None,
             },
         ).fetchone()
-    return {
-        "platform_id": entry.platform_id,
-        "menu_url": entry.menu_url,
-        "queued_discovery": row is not None and row["id"] is not None,
-    }
+        result = {
+            "platform_id": entry.platform_id,
+            "menu_url": entry.menu_url,
+            "queued_discovery": row is not None and row["id"] is not None,
+        }
+        ctx.complete(cur, result)
+    return result
 
 
 def crawl_menu(task: Task, ctx: TaskContext) -> JSON:
@@ -128,6 +136,7 @@ def crawl_menu(task: Task, ctx: TaskContext) -> JSON:
         raw = _services(ctx).adapter(store["menu_type"]).fetch_menu(entry)
     except GoneError as exc:
         raise _gone(ctx, store, exc) from exc
+    ctx.release_platform()  # done with the platform: the slot serves another store while we store
     products = normalise_menu(raw)
     digest = menu_hash(products)
     ctx.progress("fetched", products=len(products))
@@ -137,15 +146,17 @@ def crawl_menu(task: Task, ctx: TaskContext) -> JSON:
             query("store_menu"),
             {"dispensary_id": store["id"], "menu_hash": digest, "products": Jsonb(products)},
         ).fetchone()
-    assert row is not None
-    return {
-        "seen": row["seen"],
-        "new": row["new"],
-        "changed": row["changed"],
-        "gone": row["gone"],
-        "unchanged": row["unchanged"],
-        "menu_hash": digest[:16],
-    }
+        assert row is not None
+        result = {
+            "seen": row["seen"],
+            "new": row["new"],
+            "changed": row["changed"],
+            "gone": row["gone"],
+            "unchanged": row["unchanged"],
+            "menu_hash": digest[:16],
+        }
+        ctx.complete(cur, result)
+    return result
 
 
 def analytics_refresh(task: Task, ctx: TaskContext) -> JSON:
@@ -153,8 +164,10 @@ def analytics_refresh(task: Task, ctx: TaskContext) -> JSON:
     with ctx.transaction() as cur:
         refreshed = cur.execute(query("refresh_store_analytics")).fetchone()
         summary = cur.execute(query("analytics_summary")).fetchone()
-    assert refreshed is not None and summary is not None
-    return {**refreshed, **{k: int(v) for k, v in summary.items()}}
+        assert refreshed is not None and summary is not None
+        result = {**refreshed, **{k: int(v) for k, v in summary.items()}}
+        ctx.complete(cur, result)
+    return result
 
 
 HANDLERS = {
