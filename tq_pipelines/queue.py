@@ -32,6 +32,19 @@ ROLES = (
 # fail_task and defer_task never push a task further than this (Retry-After included).
 MAX_DELAY_SECONDS = 86_400.0
 
+# Error texts are kept to this many characters: enough for a traceback's gist, never a whole page.
+MAX_TEXT_CHARS = 8192
+
+
+def storable_text(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """``text`` as PostgreSQL can store it: no NUL (text refuses it), at most ``limit``
+    characters, the cut marked with how much was left out."""
+    text = text.replace("\x00", "")
+    if len(text) <= limit:
+        return text
+    marker = f" [... cut: {len(text) - limit:,} more characters]"
+    return text[: max(0, limit - len(marker))] + marker
+
 
 class QueueInputError(ValueError):
     """The queue refused an argument (unknown role, batch count out of range, ...)."""
@@ -242,7 +255,7 @@ class TaskQueue:
         params = {
             "task_id": task_id,
             "worker_id": worker_id,
-            "error": error,
+            "error": storable_text(error),
             "retryable": retryable,
             "retry_after": None if retry_after is None else _interval(retry_after),
         }
@@ -389,7 +402,7 @@ class TaskQueue:
         params = {
             "platform": platform,
             "task_id": task_id,
-            "error": error,
+            "error": storable_text(error),
             "retry_after": None if retry_after is None else _interval(retry_after),
         }
         row = self._one("platform_error", params)

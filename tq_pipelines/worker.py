@@ -24,7 +24,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from tq_pipelines.db.queries import query
-from tq_pipelines.queue import JSON, Task, TaskQueue
+from tq_pipelines.queue import JSON, QueueInputError, Task, TaskQueue, storable_text
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +266,10 @@ def _to_jsonb_text(value: JSON) -> str:
     return text
 
 
+def _first_line(exc: BaseException) -> str:
+    return storable_text(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__, 500)
+
+
 def default_worker_id(role: str) -> str:
     return f"{role}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"[:100]
 
@@ -473,7 +477,7 @@ class Worker:
             outcome.error = outcome.defer_seconds = None
         if outcome.error is not None and outcome.defer_seconds is None and ctx.last_progress:
             # Where the handler got to, for whoever reads the error at 3 a.m.
-            outcome.error += f" (after: {json.dumps(ctx.last_progress, default=str)})"
+            outcome.error += f" (after: {storable_text(json.dumps(ctx.last_progress, default=str), 1000)})"
         outcome.seconds = time.monotonic() - began
         return outcome
 
@@ -490,7 +494,20 @@ class Worker:
             for o in outcomes
             if o.error is None and not o.ctx.completed and not o.ctx.lost
         }
-        completed = self.queue.complete_many_json(self.worker_id, successes)  # type: ignore[arg-type]
+        try:
+            completed = self.queue.complete_many_json(self.worker_id, successes)  # type: ignore[arg-type]
+        except (psycopg.DataError, QueueInputError):
+            # One result the database refuses must not cost the batch: each on its own, and the
+            # refused ones fail with the reason.
+            completed = set()
+            for o in outcomes:
+                if o.ctx.task.id in successes:
+                    try:
+                        if self.queue.complete_many_json(self.worker_id, {o.ctx.task.id: o.result_json}):  # type: ignore[dict-item]
+                            completed.add(o.ctx.task.id)
+                    except (psycopg.DataError, QueueInputError) as exc:
+                        o.error, o.retryable = f"handler result cannot be stored: {_first_line(exc)}", False
+            successes = {i: r for i, r in successes.items() if i in completed}
         self.stats.completed += len(completed)
         self.stats.lost += len(successes) - len(completed)
         for o in outcomes:
@@ -500,14 +517,14 @@ class Worker:
             elif o.ctx.lost:
                 self.stats.lost += 1
             elif o.defer_seconds is not None:
-                if self.queue.defer(o.ctx.task.id, self.worker_id, o.defer_seconds):
+                if self._contained(
+                    o, lambda o=o: self.queue.defer(o.ctx.task.id, self.worker_id, o.defer_seconds)
+                ):
                     self.stats.deferred += 1
                 else:
                     self.stats.lost += 1
             elif o.error is not None:
-                status = self.queue.fail(
-                    o.ctx.task.id, self.worker_id, o.error, retryable=o.retryable, retry_after=o.retry_after
-                )
+                status = self._contained(o, self._fail, o)
                 if status == "pending":
                     self.stats.retried += 1
                 elif status == "failed":
@@ -516,6 +533,29 @@ class Worker:
                 else:
                     self.stats.lost += 1
         self.stats.last_finish_at = time.monotonic()
+
+    def _fail(self, o: _Outcome) -> Any:
+        assert o.error is not None
+        try:
+            return self.queue.fail(
+                o.ctx.task.id, self.worker_id, o.error, retryable=o.retryable, retry_after=o.retry_after
+            )
+        except (psycopg.DataError, QueueInputError) as exc:
+            # The error text itself was refused (the queue already makes it storable): keep the
+            # failure, in words the database takes.
+            o.error = f"the error could not be stored ({_first_line(exc)}): {type(exc).__name__}"
+            return self.queue.fail(
+                o.ctx.task.id, self.worker_id, o.error, retryable=o.retryable, retry_after=o.retry_after
+            )
+
+    def _contained(self, o: _Outcome, record: Callable[..., Any], *args: Any) -> Any:
+        """Record one task's outcome; a refusal of the database for this task's data is logged
+        and left to the lease (recovery gives the task back), never raised to the other tasks."""
+        try:
+            return record(*args)
+        except (psycopg.DataError, QueueInputError) as exc:
+            self.log.error("task %s: its outcome could not be recorded: %s", o.ctx.task.id, _first_line(exc))
+            return None
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_seconds):

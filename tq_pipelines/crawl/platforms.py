@@ -54,9 +54,11 @@ class PlatformSettings(BaseModel):
     pause_after_errors: int = Field(default=5, ge=1, le=1000)
     pause_seconds: float = Field(default=5.0, ge=0.1, le=86_400)
     max_pause_seconds: float = Field(default=600.0, ge=0.1, le=86_400)
-    slot_wait_seconds: float = Field(default=5.0, ge=0)
-    timeout_seconds: float = Field(default=10.0, gt=0)
-    max_pages: int = Field(default=100, ge=1, description="Store directory pages followed at most")
+    # Bounded so that no setting can make a handler wait past a lease: a thread waits at most
+    # slot_wait_seconds for a host slot and timeout_seconds for an answer.
+    slot_wait_seconds: float = Field(default=5.0, ge=0, le=60)
+    timeout_seconds: float = Field(default=10.0, ge=0.1, le=300)
+    max_pages: int = Field(default=100, ge=1, le=10_000, description="Store directory pages followed at most")
 
     @model_validator(mode="after")
     def _pauses_in_order(self) -> "PlatformSettings":
