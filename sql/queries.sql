@@ -19,6 +19,11 @@ SELECT complete_task(%(task_id)s, %(worker_id)s, %(result)s) AS ok;
 -- name: complete_tasks
 SELECT complete_tasks(%(worker_id)s, %(task_ids)s, %(results)s::JSONB[]) AS ids;
 
+-- name: complete_tasks_timed
+SELECT complete_tasks_timed(
+  %(worker_id)s, %(task_ids)s, %(results)s::JSONB[], %(began)s::FLOAT8[], %(ended)s::FLOAT8[]
+) AS ids;
+
 -- name: fail_task
 SELECT fail_task(%(task_id)s, %(worker_id)s, %(error)s, %(retryable)s, %(retry_after)s) AS status;
 
@@ -29,10 +34,13 @@ SELECT defer_task(%(task_id)s, %(worker_id)s, %(delay)s) AS ok;
 SELECT cancel_task(%(task_id)s) AS ok;
 
 -- name: register_worker
-SELECT register_worker(%(worker_id)s, %(role)s, %(pod_name)s, %(hostname)s);
+SELECT register_worker(%(worker_id)s, %(role)s, %(pod_name)s, %(hostname)s, %(heartbeat_seconds)s::FLOAT8);
 
 -- name: deregister_worker
 SELECT deregister_worker(%(worker_id)s) AS ok;
+
+-- name: expire_leases
+SELECT recovered, failed FROM expire_leases(%(intervals)s, 30, %(min_seconds)s);
 
 -- name: recover_stale_tasks
 SELECT recovered, failed, workers_offline

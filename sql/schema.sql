@@ -388,6 +388,7 @@ BEGIN
   UPDATE worker_tasks
   SET status = 'completed',
       result = p_result,
+      error_message = NULL,
       started_at = coalesce(started_at, claimed_at),
       completed_at = now()
   WHERE id = p_task_id
@@ -412,12 +413,30 @@ $$;
 CREATE FUNCTION public.complete_tasks(p_worker_id character varying, p_task_ids integer[], p_results jsonb[]) RETURNS integer[]
     LANGUAGE plpgsql
     AS $$
+BEGIN
+  RETURN complete_tasks_timed(
+    p_worker_id, p_task_ids, p_results,
+    array_fill(NULL::DOUBLE PRECISION, ARRAY[coalesce(cardinality(p_task_ids), 0)]),
+    array_fill(NULL::DOUBLE PRECISION, ARRAY[coalesce(cardinality(p_task_ids), 0)]));
+END;
+$$;
+
+
+--
+-- Name: complete_tasks_timed(character varying, integer[], jsonb[], double precision[], double precision[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.complete_tasks_timed(p_worker_id character varying, p_task_ids integer[], p_results jsonb[], p_began_after double precision[], p_ended_after double precision[]) RETURNS integer[]
+    LANGUAGE plpgsql
+    AS $$
 DECLARE
   v_done INTEGER[];
 BEGIN
-  IF cardinality(p_task_ids) IS DISTINCT FROM cardinality(p_results) THEN
-    RAISE EXCEPTION 'complete_tasks: % task ids but % results',
-      cardinality(p_task_ids), cardinality(p_results)
+  IF cardinality(p_task_ids) IS DISTINCT FROM cardinality(p_results)
+     OR cardinality(p_task_ids) IS DISTINCT FROM cardinality(p_began_after)
+     OR cardinality(p_task_ids) IS DISTINCT FROM cardinality(p_ended_after) THEN
+    RAISE EXCEPTION 'complete_tasks_timed: % task ids, % results, % begin and % end times',
+      cardinality(p_task_ids), cardinality(p_results), cardinality(p_began_after), cardinality(p_ended_after)
       USING ERRCODE = '22023';
   END IF;
 
@@ -425,9 +444,14 @@ BEGIN
     UPDATE worker_tasks t
     SET status = 'completed',
         result = r.result,
-        started_at = coalesce(t.started_at, t.claimed_at),
-        completed_at = now()
-    FROM unnest(p_task_ids, p_results) AS r (id, result)
+        error_message = NULL,
+        started_at = CASE
+          WHEN r.began IS NULL THEN coalesce(t.started_at, t.claimed_at)
+          ELSE least(t.claimed_at + make_interval(secs => greatest(r.began, 0)), now()) END,
+        completed_at = CASE
+          WHEN r.ended IS NULL THEN now()
+          ELSE least(t.claimed_at + make_interval(secs => greatest(r.ended, coalesce(r.began, 0), 0)), now()) END
+    FROM unnest(p_task_ids, p_results, p_began_after, p_ended_after) AS r (id, result, began, ended)
     WHERE t.id = r.id
       AND t.worker_id = p_worker_id
       AND t.status IN ('claimed', 'running')
@@ -512,6 +536,61 @@ BEGIN
   VALUES (p_role, p_dispensary_id, p_platform, coalesce(p_priority, 0), p_scheduled_for, p_payload)
   RETURNING id INTO v_id;
   RETURN v_id;
+END;
+$$;
+
+
+--
+-- Name: expire_leases(double precision, double precision, double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.expire_leases(p_intervals double precision DEFAULT 2.5, p_default_heartbeat_seconds double precision DEFAULT 30, p_min_seconds double precision DEFAULT 10) RETURNS TABLE(recovered integer, failed integer)
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  IF p_intervals IS NULL OR p_intervals < 1.5 OR p_min_seconds IS NULL OR p_min_seconds < 1
+     OR p_default_heartbeat_seconds IS NULL OR p_default_heartbeat_seconds <= 0 THEN
+    RAISE EXCEPTION 'expire_leases needs at least 1.5 intervals, 1 s and a positive default, got %, %, %',
+      p_intervals, p_min_seconds, p_default_heartbeat_seconds
+      USING ERRCODE = '22023';
+  END IF;
+  WITH lease AS (
+    SELECT
+      a.id,
+      greatest(p_min_seconds, p_intervals * coalesce(w.heartbeat_seconds, p_default_heartbeat_seconds)) AS seconds
+    FROM (
+      -- One branch per partial index over active tasks.
+      SELECT t.id, t.worker_id FROM worker_tasks t
+      WHERE t.status IN ('claimed', 'running') AND t.dispensary_id IS NOT NULL
+      UNION ALL
+      SELECT t.id, t.worker_id FROM worker_tasks t
+      WHERE t.status IN ('claimed', 'running') AND t.dispensary_id IS NULL
+    ) a
+    LEFT JOIN worker_registry w ON w.worker_id = a.worker_id
+  ),
+  expired AS (
+    UPDATE worker_tasks t
+    SET status = CASE WHEN t.retry_count < t.max_retries THEN 'pending' ELSE 'failed' END,
+        retry_count = t.retry_count + CASE WHEN t.retry_count < t.max_retries THEN 1 ELSE 0 END,
+        error_message = format('lease expired: worker %s silent for over %s s', t.worker_id, round(l.seconds)),
+        worker_id = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.worker_id END,
+        claimed_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.claimed_at END,
+        started_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.started_at END,
+        last_heartbeat_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.last_heartbeat_at END,
+        completed_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE now() END
+    FROM lease l
+    WHERE t.id = l.id
+      AND t.status IN ('claimed', 'running')
+      AND coalesce(t.last_heartbeat_at, t.started_at, t.claimed_at, t.updated_at)
+          < now() - make_interval(secs => l.seconds)
+    RETURNING t.status
+  )
+  SELECT
+    count(*) FILTER (WHERE e.status = 'pending')::INTEGER,
+    count(*) FILTER (WHERE e.status = 'failed')::INTEGER
+  INTO recovered, failed
+  FROM expired e;
+  RETURN NEXT;
 END;
 $$;
 
@@ -1090,6 +1169,25 @@ BEGIN
       started_at = now(),
       last_heartbeat_at = now(),
       status = 'active';
+END;
+$$;
+
+
+--
+-- Name: register_worker(character varying, character varying, character varying, character varying, double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.register_worker(p_worker_id character varying, p_role character varying, p_pod_name character varying, p_hostname character varying, p_heartbeat_seconds double precision) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  IF p_heartbeat_seconds IS NULL OR p_heartbeat_seconds <= 0 OR p_heartbeat_seconds > 3600 THEN
+    RAISE EXCEPTION 'heartbeat_seconds must be above 0 and at most 3600, got %',
+      coalesce(p_heartbeat_seconds::TEXT, 'NULL')
+      USING ERRCODE = '22023';
+  END IF;
+  PERFORM register_worker(p_worker_id, p_role, p_pod_name, p_hostname);
+  UPDATE worker_registry SET heartbeat_seconds = p_heartbeat_seconds WHERE worker_id = p_worker_id;
 END;
 $$;
 
@@ -2346,6 +2444,7 @@ CREATE VIEW public.v_worker_capacity AS
          SELECT worker_tasks.role,
             count(*) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)) AS completed_last_hour,
             count(*) FILTER (WHERE ((worker_tasks.status)::text = 'failed'::text)) AS failed_last_hour,
+            count(DISTINCT worker_tasks.worker_id) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)) AS completing_workers,
             avg(EXTRACT(epoch FROM (worker_tasks.completed_at - worker_tasks.started_at))) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)) AS avg_duration_sec
            FROM public.worker_tasks
           WHERE (((worker_tasks.status)::text = ANY ((ARRAY['completed'::character varying, 'failed'::character varying])::text[])) AND (worker_tasks.completed_at > (now() - '01:00:00'::interval)))
@@ -2361,11 +2460,11 @@ CREATE VIEW public.v_worker_capacity AS
     COALESCE(l.active_workers, (0)::bigint) AS active_workers,
     c.avg_duration_sec,
         CASE
-            WHEN (c.completed_last_hour > 0) THEN (3600.0 / NULLIF(c.avg_duration_sec, (0)::numeric))
+            WHEN (c.completed_last_hour > 0) THEN ((c.completed_last_hour)::numeric / (GREATEST(c.completing_workers, (1)::bigint))::numeric)
             ELSE NULL::numeric
         END AS tasks_per_worker_hour,
         CASE
-            WHEN ((l.active_workers > 0) AND (c.completed_last_hour > 0)) THEN ((l.pending_tasks)::numeric / NULLIF(((l.active_workers)::numeric * (3600.0 / NULLIF(c.avg_duration_sec, (0)::numeric))), (0)::numeric))
+            WHEN ((l.active_workers > 0) AND (c.completed_last_hour > 0)) THEN ((l.pending_tasks)::numeric / (c.completed_last_hour)::numeric)
             ELSE NULL::numeric
         END AS estimated_hours_to_drain
    FROM ((public.worker_task_roles r
@@ -2395,7 +2494,9 @@ CREATE TABLE public.worker_registry (
     tasks_completed integer DEFAULT 0,
     tasks_failed integer DEFAULT 0,
     status character varying(20) DEFAULT 'active'::character varying,
-    CONSTRAINT valid_worker_status CHECK (((status)::text = ANY ((ARRAY['active'::character varying, 'idle'::character varying, 'offline'::character varying])::text[])))
+    heartbeat_seconds double precision,
+    CONSTRAINT valid_worker_status CHECK (((status)::text = ANY ((ARRAY['active'::character varying, 'idle'::character varying, 'offline'::character varying])::text[]))),
+    CONSTRAINT worker_registry_heartbeat_seconds_check CHECK ((heartbeat_seconds > (0)::double precision))
 );
 
 

@@ -231,15 +231,30 @@ class TaskQueue:
         """Complete several tasks in one transaction; returns the ids completed."""
         return self.complete_many_json(worker_id, {i: json.dumps(r) for i, r in results.items()})
 
-    def complete_many_json(self, worker_id: str, results: Mapping[int, str]) -> set[int]:
-        """:meth:`complete_many` with results already serialised to JSON text."""
+    def complete_many_json(
+        self,
+        worker_id: str,
+        results: Mapping[int, str],
+        times: Mapping[int, tuple[float, float]] | None = None,
+    ) -> set[int]:
+        """:meth:`complete_many` with results already serialised to JSON text; ``times`` gives,
+        per task, when its handler began and ended in seconds after its claim (the worker's own
+        measure), so that its recorded duration is its handler's."""
         if not results:
             return set()
         # Sent as text[] and cast in SQL: one array parameter, whatever the batch size. In id
         # order, the order every multi-row writer locks in, so that two of them cannot deadlock.
         ids = sorted(results)
-        params = {"worker_id": worker_id, "task_ids": ids, "results": [results[i] for i in ids]}
-        return set(self._one("complete_tasks", params)["ids"])
+        params: dict[str, Any] = {
+            "worker_id": worker_id,
+            "task_ids": ids,
+            "results": [results[i] for i in ids],
+        }
+        if times is None:
+            return set(self._one("complete_tasks", params)["ids"])
+        params["began"] = [times[i][0] if i in times else None for i in ids]
+        params["ended"] = [times[i][1] if i in times else None for i in ids]
+        return set(self._one("complete_tasks_timed", params)["ids"])
 
     def fail(
         self,
@@ -274,15 +289,36 @@ class TaskQueue:
     # Workers and maintenance ------------------------------------------------------------------
 
     def register_worker(
-        self, worker_id: str, role: str, *, pod_name: str | None = None, hostname: str | None = None
+        self,
+        worker_id: str,
+        role: str,
+        *,
+        pod_name: str | None = None,
+        hostname: str | None = None,
+        heartbeat_seconds: float = 30.0,
     ) -> None:
+        """Register (or re-register) a worker and the interval it heartbeats at: its leases
+        expire after a few of those intervals of silence (:meth:`expire_leases`)."""
         self._one(
             "register_worker",
-            {"worker_id": worker_id, "role": role, "pod_name": pod_name, "hostname": hostname},
+            {
+                "worker_id": worker_id,
+                "role": role,
+                "pod_name": pod_name,
+                "hostname": hostname,
+                "heartbeat_seconds": heartbeat_seconds,
+            },
         )
 
     def deregister_worker(self, worker_id: str) -> bool:
         return bool(self._one("deregister_worker", {"worker_id": worker_id})["ok"])
+
+    def expire_leases(self, intervals: float = 2.5, *, min_seconds: float = 10.0) -> RecoveryReport:
+        """Give back, within seconds, the tasks of workers silent for ``intervals`` of their own
+        heartbeat intervals (never less than ``min_seconds``): the short lease.
+        :meth:`recover_stale` stays the backstop."""
+        row = self._one("expire_leases", {"intervals": intervals, "min_seconds": min_seconds})
+        return RecoveryReport(row["recovered"], row["failed"], 0)
 
     def recover_stale(self, threshold_minutes: int = 10) -> RecoveryReport:
         """Give back the tasks of workers silent past the threshold."""

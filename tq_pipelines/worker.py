@@ -157,6 +157,8 @@ class TaskContext:
     last_progress: dict[str, Any] = field(default_factory=dict)
     # Requests to the task's platform (None: its platform has no limits).
     permit: PlatformPermit | None = None
+    # time.monotonic() when the claim came back: handler times are measured from it.
+    claimed_at: float = field(default_factory=time.monotonic)
     # The task's completion committed with the handler's writes (complete() in transaction()).
     completed: bool = False
     _completing: bool = False
@@ -256,6 +258,9 @@ class _Outcome:
     retry_after: float | None = None
     defer_seconds: float | None = None
     seconds: float = 0.0
+    # When the handler began and ended, in seconds after the claim.
+    began: float = 0.0
+    ended: float = 0.0
 
 
 def _to_jsonb_text(value: JSON) -> str:
@@ -322,6 +327,7 @@ class Worker:
         self._stop = threading.Event()
         # Set when a handler finishes or gives its platform slot back: time to record and claim.
         self._wake = threading.Event()
+        self._claim_asked_at = time.monotonic()
 
     def stop(self) -> None:
         """Ask the worker to stop claiming; it finishes what it holds."""
@@ -331,7 +337,9 @@ class Worker:
         """Drain until empty or out of time; returns what this run did."""
         self.stats = DrainStats()
         self._stop.clear()
-        self.queue.register_worker(self.worker_id, self.role, hostname=socket.gethostname())
+        self.queue.register_worker(
+            self.worker_id, self.role, hostname=socket.gethostname(), heartbeat_seconds=self.heartbeat_seconds
+        )
         started = time.monotonic()
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="tq-heartbeat", daemon=True)
         heartbeat.start()
@@ -416,6 +424,9 @@ class Worker:
 
     def _claim(self, want: int) -> list[Task]:
         # Claimed and started in one statement: every task claimed here begins straight away.
+        # Handler times are measured from the moment the claim was asked for, as its claimed_at
+        # is the database's time at the start of the claim.
+        self._claim_asked_at = time.monotonic()
         tasks = self.queue.claim_many(self.role, self.worker_id, want, start=True)
         self.stats.claims += 1
         if tasks:
@@ -427,7 +438,14 @@ class Worker:
     def _contexts(self, tasks: list[Task]) -> list[TaskContext]:
         contexts = []
         for t in tasks:
-            ctx = TaskContext(t, self.worker_id, self.log, pool=self.queue.pool, services=self.services)
+            ctx = TaskContext(
+                t,
+                self.worker_id,
+                self.log,
+                pool=self.queue.pool,
+                services=self.services,
+                claimed_at=self._claim_asked_at,
+            )
             if t.send_at is not None:  # the claim reserved its platform's start: a limited platform
                 ctx.permit = PlatformPermit(self.queue, t, self.worker_id, ctx.lease_lost, self._wake.set)
             contexts.append(ctx)
@@ -446,7 +464,7 @@ class Worker:
 
     def _run_one(self, ctx: TaskContext) -> _Outcome:
         began = time.monotonic()
-        outcome = _Outcome(ctx)
+        outcome = _Outcome(ctx, began=began - ctx.claimed_at)
         permit = current_permit.set(ctx.permit)
         try:
             result = self.handler(ctx.task, ctx)
@@ -478,7 +496,8 @@ class Worker:
         if outcome.error is not None and outcome.defer_seconds is None and ctx.last_progress:
             # Where the handler got to, for whoever reads the error at 3 a.m.
             outcome.error += f" (after: {storable_text(json.dumps(ctx.last_progress, default=str), 1000)})"
-        outcome.seconds = time.monotonic() - began
+        ended = time.monotonic()
+        outcome.seconds, outcome.ended = ended - began, ended - ctx.claimed_at
         return outcome
 
     def _record(self, outcomes: list[_Outcome]) -> None:
@@ -494,8 +513,9 @@ class Worker:
             for o in outcomes
             if o.error is None and not o.ctx.completed and not o.ctx.lost
         }
+        times = {o.ctx.task.id: (o.began, o.ended) for o in outcomes}
         try:
-            completed = self.queue.complete_many_json(self.worker_id, successes)  # type: ignore[arg-type]
+            completed = self.queue.complete_many_json(self.worker_id, successes, times)  # type: ignore[arg-type]
         except (psycopg.DataError, QueueInputError):
             # One result the database refuses must not cost the batch: each on its own, and the
             # refused ones fail with the reason.
@@ -503,7 +523,8 @@ class Worker:
             for o in outcomes:
                 if o.ctx.task.id in successes:
                     try:
-                        if self.queue.complete_many_json(self.worker_id, {o.ctx.task.id: o.result_json}):  # type: ignore[dict-item]
+                        one = {o.ctx.task.id: o.result_json}
+                        if self.queue.complete_many_json(self.worker_id, one, times):  # type: ignore[arg-type]
                             completed.add(o.ctx.task.id)
                     except (psycopg.DataError, QueueInputError) as exc:
                         o.error, o.retryable = f"handler result cannot be stored: {_first_line(exc)}", False

@@ -11,6 +11,10 @@ from tq_pipelines.queue import ROLES
 from tq_pipelines.resources import QueueResource
 from tq_pipelines.schedules import RESYNC_HOUR_UTC, RESYNC_MINUTE
 
+FAILED = (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
+# Runs of one day's resync before the catch-up gives up until the next day (each failure alerts).
+CATCHUP_ATTEMPTS = 3
+
 IN_FLIGHT = [
     dg.DagsterRunStatus.NOT_STARTED,
     dg.DagsterRunStatus.CANCELING,
@@ -26,6 +30,15 @@ def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) ->
     can feed (a claim takes one task per store), up to the role's cap less the runs of that role
     already queued or running."""
     caps = tq.caps()
+    # The short lease: a dead worker's tasks (and stores, and platform slots) come back within
+    # a few of its heartbeat intervals, before this tick counts what is claimable.
+    expired = tq.queue.expire_leases()
+    if expired.recovered or expired.failed:
+        context.log.warning(
+            "leases expired: %s tasks back to pending, %s failed (out of retries)",
+            expired.recovered,
+            expired.failed,
+        )
     work = tq.queue.claimable()
     # Run keys are remembered forever; a tick counter and the time keep them from colliding.
     tick = int(context.cursor or 0) + 1
@@ -68,14 +81,18 @@ def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) ->
 )
 def resync_catchup_sensor(context: dg.SensorEvaluationContext) -> dg.RunRequest | dg.SkipReason:
     """Today's resync when its scheduled tick was missed (the daemon was down at the time, or the
-    instance is new): once per day, since run keys are remembered."""
+    instance is new) or its run failed: until one succeeds or is under way, at most
+    CATCHUP_ATTEMPTS runs a day."""
     now = datetime.now(UTC)
     day = now.date().isoformat()
     if (now.hour, now.minute) < (RESYNC_HOUR_UTC, RESYNC_MINUTE):
         return dg.SkipReason(f"the schedule runs {day} at {RESYNC_HOUR_UTC:02}:{RESYNC_MINUTE:02} UTC")
-    runs = context.instance.get_run_ids(
-        dg.RunsFilter(job_name=generate_resync_tasks_job.name, tags={"dagster/partition": day}), limit=1
+    runs = context.instance.get_runs(
+        dg.RunsFilter(job_name=generate_resync_tasks_job.name, tags={"dagster/partition": day})
     )
-    if runs:
+    if any(r.status not in FAILED for r in runs):
         return dg.SkipReason(f"{day} already has a resync run")
-    return dg.RunRequest(run_key=f"catchup:{day}", partition_key=day)
+    if len(runs) >= CATCHUP_ATTEMPTS:
+        return dg.SkipReason(f"{day}: {len(runs)} resync runs failed; not trying again today")
+    # A failed run is tried again, under a new key (run keys are remembered for good).
+    return dg.RunRequest(run_key=f"catchup:{day}:{len(runs)}", partition_key=day)
