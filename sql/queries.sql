@@ -36,6 +36,14 @@ SELECT cancel_task(%(task_id)s) AS ok;
 -- name: register_worker
 SELECT register_worker(%(worker_id)s, %(role)s, %(pod_name)s, %(hostname)s, %(heartbeat_seconds)s::FLOAT8);
 
+-- name: worker_liveness
+-- For each given worker: its status, how long since its last heartbeat, and its interval.
+SELECT worker_id, status,
+       extract(EPOCH FROM now() - last_heartbeat_at)::FLOAT8 AS silent_seconds,
+       coalesce(heartbeat_seconds, 30)::FLOAT8 AS heartbeat_seconds
+FROM worker_registry
+WHERE worker_id = ANY(%(worker_ids)s);
+
 -- name: deregister_worker
 SELECT deregister_worker(%(worker_id)s) AS ok;
 

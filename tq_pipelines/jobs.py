@@ -119,6 +119,11 @@ class DrainConfig(dg.Config):
     )
 
 
+def drain_worker_id(role: str, run_id: str) -> str:
+    """The queue's name for the worker of a drain run: how the sensor finds a run's heartbeats."""
+    return f"{role}@run:{run_id}"[:100]
+
+
 # Threads for an HTTP role: twice what the hosts accept, so that a saturated host leaves threads
 # for the others (its tasks wait at most slot_wait_seconds, then are deferred).
 MAX_AUTO_CONCURRENCY = 128
@@ -155,7 +160,7 @@ def drain_role_tasks(
             tq.queue,
             config.role,
             handler,
-            worker_id=f"{config.role}@run:{context.run_id}"[:100],
+            worker_id=drain_worker_id(config.role, context.run_id),
             batch_size=config.batch_size,
             concurrency=concurrency,
             heartbeat_seconds=config.heartbeat_seconds,

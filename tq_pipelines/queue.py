@@ -310,6 +310,13 @@ class TaskQueue:
             },
         )
 
+    def worker_liveness(self, worker_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """Per registered worker among ``worker_ids``: status, silent_seconds (since its last
+        heartbeat) and heartbeat_seconds (its interval)."""
+        with self._cursor() as cur:
+            rows = cur.execute(query("worker_liveness"), {"worker_ids": list(worker_ids)}).fetchall()
+        return {r["worker_id"]: r for r in rows}
+
     def deregister_worker(self, worker_id: str) -> bool:
         return bool(self._one("deregister_worker", {"worker_id": worker_id})["ok"])
 

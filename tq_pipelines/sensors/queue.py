@@ -3,10 +3,11 @@
 import math
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 import dagster as dg
 
-from tq_pipelines.jobs import DrainConfig, drain_tasks_job, generate_resync_tasks_job
+from tq_pipelines.jobs import DrainConfig, drain_tasks_job, drain_worker_id, generate_resync_tasks_job
 from tq_pipelines.queue import ROLES
 from tq_pipelines.resources import QueueResource
 from tq_pipelines.schedules import RESYNC_HOUR_UTC, RESYNC_MINUTE
@@ -24,12 +25,61 @@ IN_FLIGHT = [
 ]
 
 
+# A drain run that has not registered its worker this long after it started is taken for dead
+# (its process could not even reach the queue).
+STARTUP_GRACE_SECONDS = 300.0
+# A registered drain run is dead when its worker's heartbeats stopped for this many intervals.
+SILENT_INTERVALS = 2.5
+
+
+def fail_dead_drain_runs(context: dg.SensorEvaluationContext, tq: QueueResource) -> list[str]:
+    """Mark failed the drain runs Dagster believes STARTED whose process is gone (killed, OOM,
+    evicted pod): their worker's heartbeats in worker_registry stopped. The local run launcher
+    cannot tell; without this such runs would hold their role's cap for good. Returns their ids."""
+    runs = context.instance.get_runs(
+        dg.RunsFilter(job_name=drain_tasks_job.name, statuses=[dg.DagsterRunStatus.STARTED])
+    )
+    by_worker = {}
+    for run in runs:
+        ops: Any = run.run_config.get("ops", {})
+        role = ops.get("drain_role_tasks", {}).get("config", {}).get("role")
+        if role:
+            by_worker[drain_worker_id(role, run.run_id)] = run
+    if not by_worker:
+        return []
+    alive = tq.queue.worker_liveness(list(by_worker))
+    dead = []
+    for worker_id, run in by_worker.items():
+        seen = alive.get(worker_id)
+        if seen is None:
+            record = context.instance.get_run_record_by_id(run.run_id)
+            started = record.start_time if record else None
+            if started is None or time.time() - started < STARTUP_GRACE_SECONDS:
+                continue
+            why = f"its worker never registered in {STARTUP_GRACE_SECONDS:.0f} s"
+        elif seen["status"] == "offline" or seen["silent_seconds"] <= max(
+            10.0, SILENT_INTERVALS * seen["heartbeat_seconds"]
+        ):
+            continue  # alive, or done and finishing
+        else:
+            why = f"its worker {worker_id} has been silent for {seen['silent_seconds']:.0f} s"
+        context.instance.report_run_failed(
+            run, message=f"drain run presumed dead: {why}; its tasks come back with their leases"
+        )
+        dead.append(run.run_id)
+    return dead
+
+
 @dg.sensor(job=drain_tasks_job, minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING)
 def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) -> dg.SensorResult:
     """One drain run per ``tasks_per_run`` ready tasks of a role, no more than its idle stores
     can feed (a claim takes one task per store), up to the role's cap less the runs of that role
     already queued or running."""
     caps = tq.caps()
+    for run_id in fail_dead_drain_runs(context, tq):
+        context.log.warning(
+            "drain run %s presumed dead (its worker stopped heartbeating): marked failed", run_id
+        )
     # The short lease: a dead worker's tasks (and stores, and platform slots) come back within
     # a few of its heartbeat intervals, before this tick counts what is claimable.
     expired = tq.queue.expire_leases()
