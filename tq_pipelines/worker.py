@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -304,6 +304,7 @@ class Worker:
         logger: logging.Logger | None = None,
         services: Any = None,
         platform_wait_seconds: float = 10.0,
+        stop_grace_seconds: float = 60.0,
     ) -> None:
         if batch_size < 1 or concurrency < 1 or heartbeat_seconds <= 0:
             raise ValueError("batch_size and concurrency must be >= 1, heartbeat_seconds > 0")
@@ -321,22 +322,31 @@ class Worker:
         # With nothing running and nothing claimable, how long to keep waiting for platforms
         # (paused, full or rate-limited) before the run ends.
         self.platform_wait_seconds = platform_wait_seconds
+        # On stop (stop(), SIGTERM, an error), how long handlers may go on finishing, their
+        # leases kept alive, before what is left is given back.
+        self.stop_grace_seconds = stop_grace_seconds
         self.stats = DrainStats()
         self._in_flight: dict[int, TaskContext] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # Heartbeats outlive claiming: they stop only once the handlers have finished or been
+        # given back.
+        self._heartbeats_stop = threading.Event()
         # Set when a handler finishes or gives its platform slot back: time to record and claim.
         self._wake = threading.Event()
         self._claim_asked_at = time.monotonic()
 
     def stop(self) -> None:
-        """Ask the worker to stop claiming; it finishes what it holds."""
+        """Ask the worker to stop claiming. Its handlers go on, their leases kept alive, for up to
+        ``stop_grace_seconds``; what is left then is given back, untried or fenced."""
         self._stop.set()
+        self._wake.set()
 
     def run(self) -> DrainStats:
         """Drain until empty or out of time; returns what this run did."""
         self.stats = DrainStats()
         self._stop.clear()
+        self._heartbeats_stop.clear()
         self.queue.register_worker(
             self.worker_id, self.role, hostname=socket.gethostname(), heartbeat_seconds=self.heartbeat_seconds
         )
@@ -353,7 +363,8 @@ class Worker:
         # task: one claim and one completion write per few tasks instead of per task.
         refill_at = max(1, self.concurrency // 4)
         try:
-            while True:
+            # Told to stop: what runs gets stop_grace_seconds in _finish, heartbeats alive.
+            while not self._stop.is_set():
                 budget_left = (
                     self.time_budget_seconds is None or time.monotonic() - started < self.time_budget_seconds
                 )
@@ -374,7 +385,7 @@ class Worker:
                     idle_since = None
                 if claimed:
                     outcomes = (
-                        [self._run_one(ctx) for ctx in self._contexts(claimed)]
+                        self._run_inline(self._contexts(claimed))
                         if pool is None
                         else self._submit(pool, running, claimed)
                     )
@@ -400,13 +411,64 @@ class Worker:
                 else:
                     break
                 self._record(outcomes)
-        finally:
+        except BaseException:
             self._stop.set()
+            # The run's own error is the one it reports: whatever stopping in order meets after
+            # it (the database it lost, say) is logged, never raised in its place.
+            try:
+                self._finish(pool, running, heartbeat)
+            except Exception:
+                self.log.exception("while stopping after an error")
+            raise
+        self._stop.set()
+        self._finish(pool, running, heartbeat)
+        return self.stats
+
+    def _finish(
+        self,
+        pool: ThreadPoolExecutor | None,
+        running: dict[Future[_Outcome], TaskContext],
+        heartbeat: threading.Thread,
+    ) -> None:
+        """Stop in order: no more claims (already); heartbeats go on while running handlers
+        finish, for up to ``stop_grace_seconds``, and their outcomes are recorded; what is still
+        running then is given back (its handler's later writes are fenced off); heartbeats stop
+        last, then the worker goes offline."""
+        try:
+            if running:
+                finished, left = wait(running, timeout=self.stop_grace_seconds)
+                self._record([f.result() for f in finished])
+                for future in left:
+                    ctx = running[future]
+                    ctx.lease_lost.set()  # the handler should stop; its writes would be refused
+                    if self.queue.defer(ctx.task.id, self.worker_id, 0):
+                        self.stats.deferred += 1
+                    self.log.warning(
+                        "task %s still running %.0f s after stop: given back",
+                        ctx.task.id,
+                        self.stop_grace_seconds,
+                    )
+                running.clear()
+        finally:
             if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=False)
+                pool.shutdown(wait=False, cancel_futures=True)
+            self._heartbeats_stop.set()
             heartbeat.join()
             self.queue.deregister_worker(self.worker_id)
-        return self.stats
+
+    def _run_inline(self, contexts: list[TaskContext]) -> list[_Outcome]:
+        """A claimed batch, one task after another; once the worker is told to stop, the tasks
+        not begun are given back untried (no retry spent)."""
+        outcomes = []
+        for ctx in contexts:
+            if self._stop.is_set():
+                with self._lock:
+                    self._in_flight.pop(ctx.task.id, None)
+                if self.queue.defer(ctx.task.id, self.worker_id, 0):
+                    self.stats.deferred += 1
+                continue
+            outcomes.append(self._run_one(ctx))
+        return outcomes
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -579,7 +641,7 @@ class Worker:
             return None
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.heartbeat_seconds):
+        while not self._heartbeats_stop.wait(self.heartbeat_seconds):
             self.heartbeat()
 
     def heartbeat(self) -> set[int]:
