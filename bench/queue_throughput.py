@@ -1,7 +1,7 @@
 """Queue throughput: claim -> start -> complete of no-op tasks, against pgbench on the same server.
 
     python bench/queue_throughput.py [--url URL] [--workers 1,4,16] [--tasks 20000]
-                                     [--before 0006]
+                                     [--without 0006 --repeat 7]
 
 Each worker is its own process with its own connection. Modes: ``single`` (claim_task,
 start_task, complete_task: three calls per task), ``batch`` (claim_tasks of --batch, start_tasks,
@@ -11,11 +11,11 @@ Layouts: ``adjacent`` (a store's tasks consecutive in claim order, the hard case
 ``interleaved``. The pgbench figure is single-row UPDATE transactions per
 second at 16 clients, measured in the same run; the ratio is tasks/s over that TPS.
 
-``--before VERSION`` also builds a database with the migrations before VERSION only (the queue
-as it was) and runs every case on both, ``--repeat`` times, alternating which goes first, so
-that a change's cost is measured in one run on a machine whose speed drifts; the rows are the
-medians, and a last column gives now / before. The tasks' platform has no limits: this is the
-bare queue.
+``--without VERSION`` also builds a database with every migration but VERSION (the queue
+without that change; later migrations must not need it) and runs every case on both,
+``--repeat`` times, alternating which goes first, so that a change's cost is measured in one run
+on a machine whose speed drifts; the rows are the medians, and a last column gives now /
+without. The tasks' platform has no limits: this is the bare queue.
 """
 
 import argparse
@@ -202,7 +202,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=50, help="tasks per claim (the Worker default)")
     parser.add_argument("--pgbench-seconds", type=int, default=10)
     parser.add_argument(
-        "--before", default="", help="also measure the schema as it was before this migration version"
+        "--without", default="", help="also measure the schema without this migration version"
     )
     parser.add_argument("--repeat", type=int, default=1, help="runs of each case per schema (medians)")
     args = parser.parse_args()
@@ -211,13 +211,15 @@ def main() -> None:
     print(f"pgbench single-row UPDATE, 16 clients: {tps:,.0f} TPS\n")
     schemas = {"now": recreate_db(args.url, BENCH_DB)}
     migrate(schemas["now"])
-    if args.before:
-        schemas[f"before {args.before}"] = recreate_db(args.url, BENCH_DB + "_before")
-        migrate(schemas[f"before {args.before}"], [m for m in load_migrations() if m.version < args.before])
-    compare = " now / before |" if args.before else ""
+    if args.without:
+        schemas[f"without {args.without}"] = recreate_db(args.url, BENCH_DB + "_without")
+        migrate(
+            schemas[f"without {args.without}"], [m for m in load_migrations() if m.version != args.without]
+        )
+    compare = " now / without |" if args.without else ""
     header = "| schema | layout | mode | workers | tasks | claim calls | seconds | tasks/s | x pgbench TPS |"
     print(header + compare)
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.before else ""))
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.without else ""))
     for layout in args.layouts.split(","):
         for mode in args.modes.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
@@ -241,7 +243,7 @@ def main() -> None:
                     seconds = statistics.median(sec for _, sec in r)
                     rate = rates[schema]
                     ratio = (
-                        f" {rates['now'] / rate:.2f} |" if schema != "now" else (" |" if args.before else "")
+                        f" {rates['now'] / rate:.2f} |" if schema != "now" else (" |" if args.without else "")
                     )
                     print(
                         f"| {schema} | {layout} | {label} | {workers} | {args.tasks} | {claims} "
