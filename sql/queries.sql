@@ -16,6 +16,12 @@ SELECT heartbeat_tasks(%(worker_id)s, %(task_ids)s) AS ids;
 -- name: complete_task
 SELECT complete_task(%(task_id)s, %(worker_id)s, %(result)s) AS ok;
 
+-- name: complete_task_tx
+SELECT complete_task_tx(%(task_id)s, %(worker_id)s, %(result)s) AS ok;
+
+-- name: worker_completed
+SELECT worker_completed(%(worker_id)s, %(count)s);
+
 -- name: complete_tasks
 SELECT complete_tasks(%(worker_id)s, %(task_ids)s, %(results)s::JSONB[]) AS ids;
 

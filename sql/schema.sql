@@ -407,6 +407,28 @@ $$;
 
 
 --
+-- Name: complete_task_tx(integer, character varying, jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.complete_task_tx(p_task_id integer, p_worker_id character varying, p_result jsonb) RETURNS boolean
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  UPDATE worker_tasks
+  SET status = 'completed',
+      result = p_result,
+      error_message = NULL,
+      started_at = coalesce(started_at, claimed_at),
+      completed_at = now()
+  WHERE id = p_task_id
+    AND worker_id = p_worker_id
+    AND status IN ('claimed', 'running');
+  RETURN FOUND;
+END;
+$$;
+
+
+--
 -- Name: complete_tasks(character varying, integer[], jsonb[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -2083,6 +2105,19 @@ BEGIN
     RETURN NEXT;
   END LOOP;
 END;
+$$;
+
+
+--
+-- Name: worker_completed(character varying, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.worker_completed(p_worker_id character varying, p_count integer) RETURNS void
+    LANGUAGE sql
+    AS $$
+  UPDATE worker_registry
+  SET tasks_completed = tasks_completed + greatest(p_count, 0), last_heartbeat_at = now()
+  WHERE worker_id = p_worker_id;
 $$;
 
 

@@ -310,6 +310,10 @@ class TaskQueue:
             },
         )
 
+    def worker_completed(self, worker_id: str, count: int) -> None:
+        """Count completions written in handlers' own transactions in the worker's registry."""
+        self._one("worker_completed", {"worker_id": worker_id, "count": count})
+
     def worker_liveness(self, worker_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Per registered worker among ``worker_ids``: status, silent_seconds (since its last
         heartbeat) and heartbeat_seconds (its interval)."""

@@ -212,7 +212,7 @@ class TaskContext:
         except (TypeError, ValueError) as exc:
             raise PermanentTaskError(f"handler result cannot be stored as JSON: {exc}") from exc
         params = {"task_id": self.task.id, "worker_id": self.worker_id, "result": Jsonb(result)}
-        if not cur.execute(query("complete_task"), params).fetchone()["ok"]:  # type: ignore[index]
+        if not cur.execute(query("complete_task_tx"), params).fetchone()["ok"]:  # type: ignore[index]
             self.lease_lost.set()
             raise LeaseLostError(f"lease on task {self.task.id} lost: nothing written")
         self._completing = True
@@ -593,6 +593,9 @@ class Worker:
             successes = {i: r for i, r in successes.items() if i in completed}
         self.stats.completed += len(completed)
         self.stats.lost += len(successes) - len(completed)
+        in_tx = sum(1 for o in outcomes if o.ctx.completed)
+        if in_tx:
+            self.queue.worker_completed(self.worker_id, in_tx)
         for o in outcomes:
             self.stats.handler_seconds += o.seconds
             if o.ctx.completed:
@@ -654,8 +657,11 @@ class Worker:
             # A missed heartbeat is not fatal: the lease outlives several intervals.
             self.log.exception("heartbeat failed")
             return set()
-        # A task completed in its handler's transaction is no longer owned, and not lost.
-        lost = {i for i in set(held) - owned if not held[i].completed}
+        # A task completed meanwhile (in its handler's transaction, or by the batch that _record
+        # just wrote: it left _in_flight) is no longer owned, and not lost.
+        with self._lock:
+            still_held = set(self._in_flight)
+        lost = {i for i in set(held) - owned if not held[i].completed and i in still_held}
         for task_id in lost:
             held[task_id].lease_lost.set()
             self.log.warning("lease lost on task %s: its result will be discarded", task_id)

@@ -111,6 +111,32 @@ BEGIN
 END;
 $$ LANGUAGE plpgsql;
 
+-- complete_task for a handler's own transaction (TaskContext.complete): the same fenced
+-- completion, without the worker's registry row, which every handler transaction of the worker
+-- would otherwise hold until its commit, one after another. The worker counts these
+-- completions in its registry in one statement per batch (worker_completed).
+CREATE OR REPLACE FUNCTION complete_task_tx(p_task_id INTEGER, p_worker_id VARCHAR, p_result JSONB)
+RETURNS BOOLEAN AS $$
+BEGIN
+  UPDATE worker_tasks
+  SET status = 'completed',
+      result = p_result,
+      error_message = NULL,
+      started_at = coalesce(started_at, claimed_at),
+      completed_at = now()
+  WHERE id = p_task_id
+    AND worker_id = p_worker_id
+    AND status IN ('claimed', 'running');
+  RETURN FOUND;
+END;
+$$ LANGUAGE plpgsql;
+
+CREATE OR REPLACE FUNCTION worker_completed(p_worker_id VARCHAR, p_count INTEGER) RETURNS VOID AS $$
+  UPDATE worker_registry
+  SET tasks_completed = tasks_completed + greatest(p_count, 0), last_heartbeat_at = now()
+  WHERE worker_id = p_worker_id;
+$$ LANGUAGE sql;
+
 -- complete_tasks, with when each handler began and ended: seconds after the task's claim, as
 -- the worker measured them. A batch written at once, or tasks run one after another, keep
 -- their true times (never later than now). NULL offsets keep the old times.
