@@ -392,6 +392,21 @@ def test_load_platform_settings_reads_a_good_file_with_defaults(tmp_path: Path):
         ),
         pytest.param('base_url = "https://x.test"\nregions = "north"', "regions", id="regions-not-list"),
         pytest.param('base_url = "https://x.test"\nmax_pages = 0', "max_pages", id="max-pages-0"),
+        # Bounds that keep every wait of a handler inside a lease.
+        pytest.param(
+            'base_url = "https://x.test"\nrequests_per_second = 1e-9', "requests_per_second", id="rps-1e-9"
+        ),
+        pytest.param(
+            'base_url = "https://x.test"\nslot_wait_seconds = 1e9', "slot_wait_seconds", id="slot-wait-1e9"
+        ),
+        pytest.param(
+            'base_url = "https://x.test"\ntimeout_seconds = 1e9', "timeout_seconds", id="timeout-1e9"
+        ),
+        pytest.param('base_url = "https://x.test"\ntimeout_seconds = 0', "timeout_seconds", id="timeout-0"),
+        pytest.param('base_url = "https://x.test"\nburst = 0', "burst", id="burst-0"),
+        pytest.param(
+            'base_url = "https://x.test"\npause_seconds = 1e9', "pause_seconds", id="pause-seconds-1e9"
+        ),
     ],
 )
 def test_load_platform_settings_names_the_file_platform_and_key(tmp_path: Path, table: str, key: str):
@@ -646,3 +661,13 @@ def test_a_start_further_than_the_wait_reserves_nothing():
         assert host.reserve_start(0.1) is None
     assert host.next_start_in() == pytest.approx(1.0, abs=0.05)
     assert host.reserve_start(math.inf) == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_longest_pause_below_the_first_is_refused_in_words(tmp_path: Path):
+    path = write_toml(
+        tmp_path, '[platforms.p]\nbase_url = "https://x.test"\npause_seconds = 60\nmax_pause_seconds = 10\n'
+    )
+    with pytest.raises(
+        PlatformSettingsError, match=r"max_pause_seconds \(10.0\) is below pause_seconds \(60.0\)"
+    ):
+        load_platform_settings(path)
