@@ -2480,6 +2480,7 @@ CREATE VIEW public.v_worker_capacity AS
             count(*) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)) AS completed_last_hour,
             count(*) FILTER (WHERE ((worker_tasks.status)::text = 'failed'::text)) AS failed_last_hour,
             count(DISTINCT worker_tasks.worker_id) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)) AS completing_workers,
+            (GREATEST(EXTRACT(epoch FROM (max(worker_tasks.completed_at) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)) - min(worker_tasks.started_at) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)))), 0.01) / 3600.0) AS busy_hours,
             avg(EXTRACT(epoch FROM (worker_tasks.completed_at - worker_tasks.started_at))) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)) AS avg_duration_sec
            FROM public.worker_tasks
           WHERE (((worker_tasks.status)::text = ANY ((ARRAY['completed'::character varying, 'failed'::character varying])::text[])) AND (worker_tasks.completed_at > (now() - '01:00:00'::interval)))
@@ -2495,11 +2496,11 @@ CREATE VIEW public.v_worker_capacity AS
     COALESCE(l.active_workers, (0)::bigint) AS active_workers,
     c.avg_duration_sec,
         CASE
-            WHEN (c.completed_last_hour > 0) THEN ((c.completed_last_hour)::numeric / (GREATEST(c.completing_workers, (1)::bigint))::numeric)
+            WHEN (c.completed_last_hour > 0) THEN (((c.completed_last_hour)::numeric / c.busy_hours) / (GREATEST(c.completing_workers, (1)::bigint))::numeric)
             ELSE NULL::numeric
         END AS tasks_per_worker_hour,
         CASE
-            WHEN ((l.active_workers > 0) AND (c.completed_last_hour > 0)) THEN ((l.pending_tasks)::numeric / (c.completed_last_hour)::numeric)
+            WHEN ((l.active_workers > 0) AND (c.completed_last_hour > 0)) THEN (((l.pending_tasks)::numeric * c.busy_hours) / (c.completed_last_hour)::numeric)
             ELSE NULL::numeric
         END AS estimated_hours_to_drain
    FROM ((public.worker_task_roles r

@@ -7,7 +7,8 @@
 --   measured by the worker: no clock of its own is trusted), so that a batch completed at once
 --   and tasks run one after another in a batch keep their true durations.
 -- - A completed task carries no error of an earlier attempt.
--- - v_worker_capacity: throughput from what completed in the last hour, whatever the concurrency.
+-- - v_worker_capacity: throughput from what completed in the last hour and the time it took,
+--   whatever the concurrency.
 
 ALTER TABLE worker_registry ADD COLUMN IF NOT EXISTS heartbeat_seconds DOUBLE PRECISION
   CHECK (heartbeat_seconds > 0);
@@ -196,10 +197,10 @@ BEGIN
 END;
 $$ LANGUAGE plpgsql;
 
--- Throughput from what completed in the last hour, whatever the concurrency of each worker:
--- tasks_per_worker_hour is the last hour's completions per worker that completed any (rows
--- without a worker count as one), and the time to drain divides the pending tasks by the last
--- hour's completions (with workers active). Durations were one task per worker at a time.
+-- Throughput from what completed in the last hour, whatever the concurrency of each worker: the
+-- pace is those completions over the time they took (first start to last completion);
+-- tasks_per_worker_hour divides it among the workers that completed any (rows without a worker
+-- count as one), and the time to drain is the pending tasks at that pace (with workers active).
 DROP VIEW IF EXISTS v_worker_capacity;
 CREATE VIEW v_worker_capacity AS
 WITH unfinished AS (
@@ -233,6 +234,12 @@ recent AS (
     count(*) FILTER (WHERE status = 'completed') AS completed_last_hour,
     count(*) FILTER (WHERE status = 'failed') AS failed_last_hour,
     count(DISTINCT worker_id) FILTER (WHERE status = 'completed') AS completing_workers,
+    -- The hours the work of the last hour took: from its first start to its last completion
+    -- (at least 10 ms), so that a burst of a few minutes is not read as an hour's pace.
+    greatest(
+      extract(EPOCH FROM max(completed_at) FILTER (WHERE status = 'completed')
+                       - min(started_at) FILTER (WHERE status = 'completed')),
+      0.01) / 3600.0 AS busy_hours,
     avg(extract(EPOCH FROM completed_at - started_at)) FILTER (WHERE status = 'completed') AS avg_duration_sec
   FROM worker_tasks
   WHERE status IN ('completed', 'failed')
@@ -250,11 +257,12 @@ SELECT
   coalesce(l.active_workers, 0) AS active_workers,
   c.avg_duration_sec,
   CASE
-    WHEN c.completed_last_hour > 0 THEN c.completed_last_hour::NUMERIC / greatest(c.completing_workers, 1)
+    WHEN c.completed_last_hour > 0
+    THEN c.completed_last_hour / c.busy_hours / greatest(c.completing_workers, 1)
   END AS tasks_per_worker_hour,
   CASE
     WHEN l.active_workers > 0 AND c.completed_last_hour > 0
-    THEN l.pending_tasks::NUMERIC / c.completed_last_hour
+    THEN l.pending_tasks * c.busy_hours / c.completed_last_hour
   END AS estimated_hours_to_drain
 FROM worker_task_roles r
 LEFT JOIN live l ON l.role = r.role

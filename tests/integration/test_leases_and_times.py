@@ -152,3 +152,51 @@ def test_a_completed_task_carries_no_error_of_an_earlier_attempt(conn: psycopg.C
     assert queue.complete_many("w", {again.id: {"ok": True}}) == {task_id}
     row = conn.execute("SELECT status, retry_count, error_message FROM worker_tasks").fetchone()
     assert row == ("completed", 1, None)
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_the_drain_estimate_is_the_time_the_rest_takes(
+    conn: psycopg.Connection, queue: TaskQueue, concurrency: int
+):
+    """v_worker_capacity's time to drain, from a first part of the work, against the time the
+    rest then really takes (within 10%), inline and with four handlers at once."""
+    stores = add_stores(conn, 24)
+    add_tasks(conn, ROLE, stores, 1)
+
+    def handler(task: Task, ctx: TaskContext) -> None:
+        time.sleep(0.2)
+
+    # The first half, and the estimate for the rest while a worker holds a task (active).
+    Worker(
+        queue,
+        ROLE,
+        handler,
+        worker_id="first",
+        concurrency=concurrency,
+        batch_size=4,
+        time_budget_seconds=0.01,
+    ).run()
+    done_first = conn.execute("SELECT count(*) FROM worker_tasks WHERE status = 'completed'").fetchone()[0]  # type: ignore[index]
+    while done_first < 12:
+        Worker(
+            queue,
+            ROLE,
+            handler,
+            worker_id="first",
+            concurrency=concurrency,
+            batch_size=4,
+            time_budget_seconds=0.01,
+        ).run()
+        done_first = conn.execute("SELECT count(*) FROM worker_tasks WHERE status = 'completed'").fetchone()[
+            0
+        ]  # type: ignore[index]
+    [held] = queue.claim_many(ROLE, "holder", 1)
+    [cap] = [c for c in queue.capacity() if c.role == ROLE]
+    assert cap.estimated_hours_to_drain is not None
+    estimate = cap.estimated_hours_to_drain * 3600
+    queue.complete_many("holder", {held.id: None})
+
+    began = time.monotonic()
+    Worker(queue, ROLE, handler, worker_id="rest", concurrency=concurrency, batch_size=4).run()
+    truth = time.monotonic() - began
+    assert estimate == pytest.approx(truth, rel=0.1), (estimate, truth)

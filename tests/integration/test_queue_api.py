@@ -942,10 +942,12 @@ def test_074_defect_8_worker_capacity_counts_a_known_mix(conn: psycopg.Connectio
     assert (r.pending_tasks, r.ready_tasks, r.claimed_tasks, r.running_tasks) == (3, 2, 1, 2)
     assert (r.completed_last_hour, r.failed_last_hour, r.active_workers) == (2, 1, 2)
     assert r.avg_duration_sec == pytest.approx(20.0)
-    # Throughput is what completed in the last hour, whatever each worker's concurrency: two
-    # tasks (written without a worker: one), and three pending drain in an hour and a half.
-    assert r.tasks_per_worker_hour == pytest.approx(2.0)
-    assert r.estimated_hours_to_drain == pytest.approx(3 / 2)
+    # The pace is what completed in the last hour over the time it took, whatever each worker's
+    # concurrency: two tasks from the first start (30 min 10 s ago) to the last completion (10
+    # min ago), written without a worker (one); three pending take one and a half times that.
+    busy_hours = (20 * 60 + 10) / 3600
+    assert r.tasks_per_worker_hour == pytest.approx(2 / busy_hours)
+    assert r.estimated_hours_to_drain == pytest.approx(3 * busy_hours / 2)
     a = caps["analytics_refresh"]
     assert (a.pending_tasks, a.ready_tasks, a.running_tasks, a.active_workers) == (1, 1, 1, 1)
     assert (
