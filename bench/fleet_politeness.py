@@ -309,27 +309,43 @@ def fleet(server: str, folder: Path, stores: int, runs_per_role: int) -> dict[st
         "stores": stores * len(NAMES),
         "drain_processes": runs_per_role * len(HTTP_ROLES),
         "seconds": round(done_at - began, 1),
-        "server": {n: {k: v for k, v in r.items() if k != "windows"} for n, r in politeness(logs).items()},
+        "server": server_report(logs),
         "runs": totals,
         "product_discovery": outcomes(url, "product_discovery"),
     }
 
 
-def first_crawl(server: str, stores: int, runs: int) -> dict[str, Any]:
-    url = recreate_db(server, "tq_bench_first")
-    migrate(url)
-    profs = profiles(dict.fromkeys(NAMES, stores))
+def server_report(logs: dict[str, list[tuple[float, float, int]]]) -> dict[str, Any]:
+    """politeness() per platform, without its windows."""
+    return {n: {k: v for k, v in r.items() if k != "windows"} for n, r in politeness(logs).items()}
+
+
+def crawl_resolved(
+    url: str, profs: list[PlatformProfile], runs: int, timeout: float
+) -> tuple[
+    int, SimulatorProcess, float, dict[str, dict[str, int]], dict[str, list[tuple[float, float, int]]]
+]:
+    """A first crawl (product_discovery) of the profiles' stores, resolved and queued platform after
+    platform, by ``runs`` drain processes. Returns the stores, the (stopped) simulator, the probed
+    latency, the runs' outcomes and the servers' request logs."""
     loaded = load_resolved_stores(url, profs)
     sim = SimulatorProcess(profs)
-    folder = Path(tempfile.mkdtemp(prefix="tq-fleet-first-"))
-    path = write_platforms(folder, sim.urls)
+    path = write_platforms(Path(tempfile.mkdtemp(prefix="tq-fleet-crawl-")), sim.urls)
     latency = probe_latency(sim.urls)
     fleet_runs = Fleet(url, path, {"product_discovery": runs})
     try:
-        wait_until_done(url, ("product_discovery",), timeout=900)
+        wait_until_done(url, ("product_discovery",), timeout=timeout)
     finally:
         totals = fleet_runs.stop()
-    logs = sim.stop()
+    return loaded, sim, latency, totals, sim.stop()
+
+
+def first_crawl(server: str, stores: int, runs: int) -> dict[str, Any]:
+    url = recreate_db(server, "tq_bench_first")
+    migrate(url)
+    loaded, _, latency, totals, logs = crawl_resolved(
+        url, profiles(dict.fromkeys(NAMES, stores)), runs, timeout=900
+    )
     n, pace = crawl_pace(url, "product_discovery")
     bound = len(NAMES) * min(MAX_IN_FLIGHT / latency, RATE)
     return {
@@ -340,7 +356,7 @@ def first_crawl(server: str, stores: int, runs: int) -> dict[str, Any]:
         "completed": n,
         "stores_per_s": round(pace, 1),
         "pace_over_bound": round(pace / bound, 2),
-        "server": {n: {k: v for k, v in r.items() if k != "windows"} for n, r in politeness(logs).items()},
+        "server": server_report(logs),
         "runs": totals,
     }
 
@@ -357,18 +373,9 @@ def outage(
         "outage_seconds": seconds,
         "outage_retry_after_seconds": 30,
     }
-    profs = profiles(counts, **{down: outage_fault})
-    loaded = load_resolved_stores(url, profs)
-    sim = SimulatorProcess(profs)
-    folder = Path(tempfile.mkdtemp(prefix="tq-fleet-outage-"))
-    path = write_platforms(folder, sim.urls)
-    latency = probe_latency(sim.urls)
-    fleet_runs = Fleet(url, path, {"product_discovery": runs})
-    try:
-        wait_until_done(url, ("product_discovery",), timeout=1800)
-    finally:
-        totals = fleet_runs.stop()
-    logs = sim.stop()
+    loaded, sim, latency, totals, logs = crawl_resolved(
+        url, profiles(counts, **{down: outage_fault}), runs, timeout=1800
+    )
     window = sim.outages[down]
     assert window is not None
     t0, t1 = window
@@ -397,7 +404,7 @@ def outage(
         "others_pace_during_outage": round(others_pace, 1),
         "others_bound": round(per_platform_bound * len(others), 1),
         "others_pace_over_bound": round(others_pace / (per_platform_bound * len(others)), 2),
-        "server": {n: {k: v for k, v in r.items() if k != "windows"} for n, r in politeness(logs).items()},
+        "server": server_report(logs),
         "runs": totals,
     }
 

@@ -385,22 +385,10 @@ CREATE FUNCTION public.complete_task(p_task_id integer, p_worker_id character va
     LANGUAGE plpgsql
     AS $$
 BEGIN
-  UPDATE worker_tasks
-  SET status = 'completed',
-      result = p_result,
-      error_message = NULL,
-      started_at = coalesce(started_at, claimed_at),
-      completed_at = now()
-  WHERE id = p_task_id
-    AND worker_id = p_worker_id
-    AND status IN ('claimed', 'running');
-  IF NOT FOUND THEN
+  IF NOT complete_task_tx(p_task_id, p_worker_id, p_result) THEN
     RETURN false;
   END IF;
-
-  UPDATE worker_registry
-  SET tasks_completed = tasks_completed + 1, last_heartbeat_at = now()
-  WHERE worker_id = p_worker_id;
+  PERFORM worker_completed(p_worker_id, 1);
   RETURN true;
 END;
 $$;
@@ -482,9 +470,7 @@ BEGIN
   SELECT coalesce(array_agg(id ORDER BY id), '{}') INTO v_done FROM done;
 
   IF cardinality(v_done) > 0 THEN
-    UPDATE worker_registry
-    SET tasks_completed = tasks_completed + cardinality(v_done), last_heartbeat_at = now()
-    WHERE worker_id = p_worker_id;
+    PERFORM worker_completed(p_worker_id, cardinality(v_done));
   END IF;
   RETURN v_done;
 END;

@@ -88,34 +88,11 @@ BEGIN
 END;
 $$ LANGUAGE plpgsql;
 
--- A completed task carries no error of an earlier attempt.
-CREATE OR REPLACE FUNCTION complete_task(p_task_id INTEGER, p_worker_id VARCHAR, p_result JSONB)
-RETURNS BOOLEAN AS $$
-BEGIN
-  UPDATE worker_tasks
-  SET status = 'completed',
-      result = p_result,
-      error_message = NULL,
-      started_at = coalesce(started_at, claimed_at),
-      completed_at = now()
-  WHERE id = p_task_id
-    AND worker_id = p_worker_id
-    AND status IN ('claimed', 'running');
-  IF NOT FOUND THEN
-    RETURN false;
-  END IF;
-
-  UPDATE worker_registry
-  SET tasks_completed = tasks_completed + 1, last_heartbeat_at = now()
-  WHERE worker_id = p_worker_id;
-  RETURN true;
-END;
-$$ LANGUAGE plpgsql;
-
--- complete_task for a handler's own transaction (TaskContext.complete): the same fenced
--- completion, without the worker's registry row, which every handler transaction of the worker
--- would otherwise hold until its commit, one after another. The worker counts these
--- completions in its registry in one statement per batch (worker_completed).
+-- complete_task for a handler's own transaction (TaskContext.complete): the fenced completion,
+-- without the worker's registry row, which every handler transaction of the worker would
+-- otherwise hold until its commit, one after another. The worker counts these completions in
+-- its registry in one statement per batch (worker_completed). A completed task carries no error
+-- of an earlier attempt.
 CREATE OR REPLACE FUNCTION complete_task_tx(p_task_id INTEGER, p_worker_id VARCHAR, p_result JSONB)
 RETURNS BOOLEAN AS $$
 BEGIN
@@ -137,6 +114,18 @@ CREATE OR REPLACE FUNCTION worker_completed(p_worker_id VARCHAR, p_count INTEGER
   SET tasks_completed = tasks_completed + greatest(p_count, 0), last_heartbeat_at = now()
   WHERE worker_id = p_worker_id;
 $$ LANGUAGE sql;
+
+-- The single completion: complete_task_tx, counted in the worker's registry at once.
+CREATE OR REPLACE FUNCTION complete_task(p_task_id INTEGER, p_worker_id VARCHAR, p_result JSONB)
+RETURNS BOOLEAN AS $$
+BEGIN
+  IF NOT complete_task_tx(p_task_id, p_worker_id, p_result) THEN
+    RETURN false;
+  END IF;
+  PERFORM worker_completed(p_worker_id, 1);
+  RETURN true;
+END;
+$$ LANGUAGE plpgsql;
 
 -- complete_tasks, with when each handler began and ended: seconds after the task's claim, as
 -- the worker measured them. A batch written at once, or tasks run one after another, keep
@@ -179,9 +168,7 @@ BEGIN
   SELECT coalesce(array_agg(id ORDER BY id), '{}') INTO v_done FROM done;
 
   IF cardinality(v_done) > 0 THEN
-    UPDATE worker_registry
-    SET tasks_completed = tasks_completed + cardinality(v_done), last_heartbeat_at = now()
-    WHERE worker_id = p_worker_id;
+    PERFORM worker_completed(p_worker_id, cardinality(v_done));
   END IF;
   RETURN v_done;
 END;
