@@ -130,6 +130,10 @@ SELECT version, name, checksum FROM tq_migrations ORDER BY version;
 INSERT INTO tq_migrations (version, name, checksum)
 VALUES (%(version)s, %(name)s, %(checksum)s);
 
+-- name: task_roles
+-- The roles the queue knows: a deployment adds one with an INSERT into worker_task_roles.
+SELECT role FROM worker_task_roles ORDER BY role;
+
 -- name: database_exists
 SELECT 1 FROM pg_database WHERE datname = %(name)s;
 

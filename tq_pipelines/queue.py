@@ -483,6 +483,11 @@ class TaskQueue:
         with self._cursor() as cur:
             return cur.execute(query("repair_platform_counters")).fetchall()
 
+    def roles(self) -> list[str]:
+        """The roles in ``worker_task_roles``, by name: the built-in ones and any a deployment added."""
+        with self._cursor() as cur:
+            return [r["role"] for r in cur.execute(query("task_roles")).fetchall()]
+
     def stuck_tasks(self, threshold_minutes: int) -> int:
         """Active tasks whose owner has been silent past the threshold."""
         return int(self._one("stuck_tasks", {"threshold_minutes": threshold_minutes})["stuck"])

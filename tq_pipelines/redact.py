@@ -10,11 +10,24 @@ import re
 from collections.abc import Iterable
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from psycopg.conninfo import conninfo_to_dict
+
 MASK = "***"
 
 # Query parameters that hold a secret: libpq's, and the usual names of tokens and signatures.
 _SECRET_PARAMS = frozenset(
-    {"password", "sslpassword", "passfile", "sslkey", "token", "access_token", "key", "secret", "sig", "signature"}
+    {
+        "password",
+        "sslpassword",
+        "passfile",
+        "sslkey",
+        "token",
+        "access_token",
+        "key",
+        "secret",
+        "sig",
+        "signature",
+    }
 )
 # Environment variables whose values are secrets wherever they appear.
 SECRET_ENV = (
@@ -56,6 +69,10 @@ def redact_conninfo(conninfo: str) -> str:
     """A libpq URL or key=value string, its password masked."""
     if "://" in conninfo:
         return redact_url(conninfo)
+    try:
+        conninfo_to_dict(conninfo)
+    except Exception:
+        return MASK + " (not a valid URL or conninfo, hidden whole)"
     return _KEYWORD.sub(lambda m: f"{m.group(1)}={MASK}", conninfo)
 
 

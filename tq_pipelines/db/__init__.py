@@ -9,6 +9,29 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tq_pipelines.db import embedded
 from tq_pipelines.db.queries import query
+from tq_pipelines.redact import redact_conninfo, redact_text
+
+# Seconds a first connection may take before the database counts as unreachable.
+CONNECT_TIMEOUT_SECONDS = 5
+
+
+class DatabaseUnreachable(RuntimeError):
+    """The database cannot be reached or refuses the connection; the message holds libpq's
+    reason and the URL with its password masked."""
+
+
+def check_connection(
+    conninfo: str, *, timeout: int = CONNECT_TIMEOUT_SECONDS, setting: str = "TQ_DATABASE_URL"
+) -> None:
+    """Connect once, failing within ``timeout`` seconds with libpq's reason: a pool would
+    instead retry in the background until its own timeout, the reason buried in warnings."""
+    try:
+        psycopg.connect(conninfo, connect_timeout=timeout, autocommit=True).close()
+    except (psycopg.Error, ValueError) as exc:
+        reason = redact_text(" ".join(str(exc).split()), [conninfo])
+        raise DatabaseUnreachable(
+            f"cannot connect to the database {setting} = {redact_conninfo(conninfo)}: {reason}"
+        ) from None
 
 
 def database_url() -> str:
