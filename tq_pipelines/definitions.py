@@ -28,7 +28,9 @@ from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor, r
 from tq_pipelines.sensors.platforms import platform_limits_asset, platform_status_sensor
 from tq_pipelines.sensors.queue import resync_catchup_sensor, task_queue_sensor
 
-# A role without a handler is an error here, at load, not a failed task at 3 a.m.
+# A plugged-in handler that cannot be loaded is an error here, at load, not a failed task at 3 a.m.
+# A role with no handler at all is not: roles are rows of worker_task_roles, and one without a
+# handler is reported by task_queue_sensor and queue_health_sensor.
 load_handlers()
 
 # Set by `tq dev` and `tq demo` when they serve the menu simulator.

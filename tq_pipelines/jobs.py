@@ -1,16 +1,16 @@
 """Jobs that run the queue: daily resync generation, stale recovery, and draining a role."""
 
 from contextlib import ExitStack
+from typing import Any
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from tq_pipelines.crawl.handlers import HTTP_ROLES, enqueue_store_discovery
 from tq_pipelines.crawl.platforms import sync_limits
 from tq_pipelines.demo import enqueue_demo_resyncs
-from tq_pipelines.handlers import BUILTIN, load_handlers
+from tq_pipelines.handlers import BUILTIN, HOW_TO_PLUG_IN, load_handlers
 from tq_pipelines.partitions import resync_partitions_def
-from tq_pipelines.queue import ROLES
 from tq_pipelines.resources import CrawlResource, QueueResource
 from tq_pipelines.worker import Worker
 
@@ -99,7 +99,9 @@ def recover_stale_tasks_job() -> None:
 
 
 class DrainConfig(dg.Config):
-    role: str = Field(description="The role whose tasks this run drains")
+    role: str = Field(
+        min_length=1, max_length=50, description="The role whose tasks this run drains (worker_task_roles)"
+    )
     batch_size: int = Field(default=50, ge=1, le=1000, description="Tasks per claim when handlers run inline")
     concurrency: int = Field(
         default=0,
@@ -108,8 +110,10 @@ class DrainConfig(dg.Config):
         description="Handlers running at once (1: inline; 0: twice the platforms' max_in_flight for "
         "HTTP roles, else inline)",
     )
-    time_budget_seconds: float = Field(default=600, gt=0, description="Stop claiming after this long")
-    heartbeat_seconds: float = Field(default=30, gt=0, description="Lease heartbeat interval")
+    time_budget_seconds: float = Field(
+        default=600, gt=0, le=86_400, description="Stop claiming after this long (at most a day)"
+    )
+    heartbeat_seconds: float = Field(default=30, gt=0, le=3600, description="Lease heartbeat interval")
     platform_wait_seconds: float = Field(
         default=10,
         ge=0,
@@ -117,6 +121,37 @@ class DrainConfig(dg.Config):
         description="With nothing running, how long to wait for platforms (paused, full or "
         "rate-limited) to take the role's due work before the run ends",
     )
+
+
+# Dagster checks a run config against its schema (keys, types) before the run is created, but a
+# Config's pydantic bounds only when the op starts: a bad value would make a run that fails at its
+# first step. The job's config mapping builds DrainConfig, bounds included, while the run config
+# is resolved, which the webserver and the daemon do before they create the run. The run config
+# keeps the op's shape; resources, loggers and execution pass through to Dagster's own checks.
+@dg.config_mapping(
+    config_schema={
+        "ops": {"drain_role_tasks": {"config": DrainConfig.to_config_schema().as_field()}},
+        "resources": dg.Field(dg.Permissive(), is_required=False),
+        "loggers": dg.Field(dg.Permissive(), is_required=False),
+        "execution": dg.Field(dg.Permissive(), is_required=False),
+    }
+)
+def drain_run_config(values: dict[str, Any]) -> dict[str, Any]:
+    """The drain run's config, refused in words (the key, the value, what is accepted) when a
+    value is out of bounds."""
+    op_config = values["ops"]["drain_role_tasks"]["config"]
+    try:
+        config = DrainConfig(**op_config)
+    except ValidationError as exc:
+        wrong = "; ".join(
+            f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}" for e in exc.errors()
+        )
+        raise dg.DagsterInvalidConfigError(
+            f"drain_tasks_job: config of drain_role_tasks refused before the run is created: {wrong}",
+            [],
+            values,
+        ) from None
+    return {**values, "ops": {"drain_role_tasks": {"config": config.model_dump()}}}
 
 
 def drain_worker_id(role: str, run_id: str) -> str:
@@ -138,16 +173,22 @@ def drain_role_tasks(
     A handler exception fails its task, not the run; only the queue itself failing fails the run,
     and whatever it held is given back by recover_stale_tasks.
     """
-    if config.role not in ROLES:
-        raise dg.Failure(f"role {config.role!r} is not a known role ({', '.join(ROLES)})")
-    handler = load_handlers()[config.role]
+    roles = tq.queue.roles()
+    if config.role not in roles:
+        raise dg.Failure(
+            f"role {config.role!r} is not in worker_task_roles ({', '.join(roles)}): add it with "
+            f"INSERT INTO worker_task_roles (role) VALUES ('{config.role}'), or drain a role listed"
+        )
+    handler = load_handlers().get(config.role)
+    if handler is None:  # before any claim: the tasks stay pending for a run that has one
+        raise dg.Failure(f"role {config.role!r} has no handler: {HOW_TO_PLUG_IN}")
     with ExitStack() as stack:
         services = crawl.services() if config.role in HTTP_ROLES else None  # before any claim
         if services is not None:
             stack.callback(services.close)
             # The file's limits become every claimer's before this run claims anything.
             sync_limits(tq.queue, services.settings)
-        elif config.role in HTTP_ROLES and handler is BUILTIN[config.role]:
+        elif config.role in HTTP_ROLES and handler is BUILTIN.get(config.role):
             # Every task would fail for want of settings; fail the run instead, touching none.
             raise dg.Failure(
                 f"{config.role} crawls platforms, and no platforms are configured: "
@@ -202,7 +243,7 @@ def drain_role_tasks(
     )
 
 
-@dg.job(executor_def=dg.in_process_executor, tags={"tq/kind": "drain"})
+@dg.job(executor_def=dg.in_process_executor, tags={"tq/kind": "drain"}, config=drain_run_config)
 def drain_tasks_job() -> None:
     drain_role_tasks()
 

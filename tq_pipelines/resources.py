@@ -1,11 +1,20 @@
 """Dagster resources: the queue (a psycopg pool per run or sensor tick) and the crawl settings."""
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
-import psycopg
-from pydantic import PrivateAttr
+from pydantic import (
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from tq_pipelines.crawl.platforms import (
     CrawlServices,
@@ -13,45 +22,125 @@ from tq_pipelines.crawl.platforms import (
     PlatformSettingsError,
     load_platform_settings,
 )
-from tq_pipelines.queue import ROLES, TaskQueue
+from tq_pipelines.db import check_connection
+from tq_pipelines.queue import TaskQueue
+from tq_pipelines.redact import redact_text
+
+# A role's drain runs at once, from default_runs_per_role or a role_caps entry.
+MAX_RUNS_PER_ROLE = 64
 
 
 class QueueSettingsError(ValueError):
     """A setting is wrong; the message names it."""
 
 
+def is_env_var(value: object) -> bool:
+    """An ``EnvVar``/``EnvVar.int`` placeholder: a name until Dagster resolves it at setup."""
+    return isinstance(value, dg.EnvVar) or hasattr(value, "env_var_name")
+
+
+def check_setting(cls: type, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+    """A resource setting's type and bounds, refused in one sentence that names it.
+
+    An EnvVar is let through as it is: Dagster builds the resource again from the resolved values
+    when a run or a sensor tick starts, and this check refuses a bad value then, before setup.
+    """
+    if is_env_var(value):
+        return value
+    try:
+        return handler(value)
+    except ValidationError as exc:
+        reason = "; ".join(e["msg"] for e in exc.errors())
+        raise PydanticCustomError(
+            "setting",
+            "{setting} = {value} is refused: {reason}",
+            {"setting": f"{cls.__name__}.{info.field_name}", "value": repr(value)[:200], "reason": reason},
+        ) from None
+
+
+def settings_validator() -> Any:
+    """:func:`check_setting` on every field of the class it is assigned in."""
+    return field_validator("*", mode="wrap")(check_setting)
+
+
+def parse_role_caps(spec: str) -> dict[str, int]:
+    """``"role=N,role=N"`` as a dict; raises naming the setting on a malformed entry or a cap
+    out of bounds. Which roles exist is the database's to say (:meth:`QueueResource.caps`)."""
+    caps: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        role, sep, value = item.partition("=")
+        role = role.strip()
+        if not sep or not role:
+            raise QueueSettingsError(f"role_caps (TQ_ROLE_CAPS): {item!r} is not role=N")
+        try:
+            cap = int(value)
+        except ValueError:
+            raise QueueSettingsError(
+                f"role_caps (TQ_ROLE_CAPS): {item!r}: {value.strip()!r} is not a whole number of runs"
+            ) from None
+        if not 0 <= cap <= MAX_RUNS_PER_ROLE:
+            raise QueueSettingsError(
+                f"role_caps (TQ_ROLE_CAPS): {item!r}: a cap is from 0 to {MAX_RUNS_PER_ROLE} runs"
+            )
+        caps[role] = cap
+    return caps
+
+
 class QueueResource(dg.ConfigurableResource):
-    """The task queue. One connection pool per run (or sensor tick), closed at its end."""
+    """The task queue. One connection pool per run (or sensor tick), closed at its end.
+
+    Every setting is checked for type and bounds when the resource is built (a literal value: when
+    the Definitions load) or when a run or tick starts (a value from an EnvVar); role_caps is also
+    checked against the roles in worker_task_roles then.
+    """
 
     database_url: str
-    pool_max_size: int = 8
+    pool_max_size: int = Field(default=8, ge=1, le=100, description="Connections per run or tick")
     # "role=N,role=N": how many drain runs of a role may exist at once (default_runs_per_role
     # for roles not named); empty falls back to TQ_ROLE_CAPS. Checked before anything runs.
     role_caps: str = ""
-    default_runs_per_role: int = 2
-    stale_threshold_minutes: int = 10
+    default_runs_per_role: int = Field(default=2, ge=0, le=MAX_RUNS_PER_ROLE)
+    stale_threshold_minutes: int = Field(default=10, ge=1, le=10_080)
     # task_queue_sensor asks for one drain run per tasks_per_run ready tasks (within the caps);
     # each run drains until the queue is empty or its time budget is spent.
-    tasks_per_run: int = 500
-    drain_batch_size: int = 50
+    tasks_per_run: int = Field(default=500, ge=1, le=1_000_000)
+    drain_batch_size: int = Field(default=50, ge=1, le=1000)
     # Handlers running at once in a drain run; 0 sizes it from the platforms' politeness limits
     # for roles that make HTTP requests, and runs the others inline.
-    drain_concurrency: int = 0
-    drain_time_budget_seconds: float = 600
+    drain_concurrency: int = Field(default=0, ge=0, le=256)
+    drain_time_budget_seconds: float = Field(default=600, gt=0, le=86_400)
 
     _queue: TaskQueue | None = PrivateAttr(default=None)
 
+    @field_validator("*", mode="wrap")
+    @classmethod
+    def _check_setting(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+        value = check_setting(cls, value, handler, info)
+        if info.field_name == "role_caps" and not is_env_var(value):
+            try:
+                parse_role_caps(value)
+            except QueueSettingsError as exc:
+                raise PydanticCustomError("setting", "{message}", {"message": str(exc)}) from None
+        return value
+
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        self.caps()  # fail on a bad cap before any task is touched
+        parse_role_caps(self._caps_spec())  # TQ_ROLE_CAPS is read here, not at import
+        # One plain connection first: it fails within seconds, with libpq's reason and the
+        # password masked, where a pool would retry in the background until its timeout.
+        check_connection(self.database_url, setting="TQ_DATABASE_URL (the queue resource's database_url)")
         try:
-            # One plain connection first: it fails fast, with libpq's reason, where a pool would
-            # retry in the background until its timeout.
-            psycopg.connect(self.database_url, connect_timeout=10).close()
-            self._queue = TaskQueue.connect(self.database_url, min_size=1, max_size=self.pool_max_size)
+            queue = TaskQueue.connect(self.database_url, min_size=1, max_size=self.pool_max_size)
         except Exception as exc:
+            reason = redact_text(str(exc), [self.database_url])
             raise QueueSettingsError(
-                f"cannot reach the queue database (TQ_DATABASE_URL / database_url): {exc}"
-            ) from exc
+                f"cannot open a pool on the queue database (TQ_DATABASE_URL / database_url): {reason}"
+            ) from None
+        try:
+            self.caps(queue.roles())  # a cap for a role the database does not have: before any task
+        except BaseException:
+            queue.close()
+            raise
+        self._queue = queue
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         if self._queue is not None:
@@ -64,28 +153,22 @@ class QueueResource(dg.ConfigurableResource):
             raise RuntimeError("QueueResource used outside of a run or tick")
         return self._queue
 
-    def caps(self) -> dict[str, int]:
-        """Per-role run caps from ``role_caps``; raises naming the setting on a bad entry."""
-        if self.default_runs_per_role < 0:
-            raise QueueSettingsError(f"default_runs_per_role must be >= 0, got {self.default_runs_per_role}")
-        caps = dict.fromkeys(ROLES, self.default_runs_per_role)
-        spec = self.role_caps or os.environ.get("TQ_ROLE_CAPS", "")
-        for item in filter(None, (p.strip() for p in spec.split(","))):
-            role, sep, value = item.partition("=")
-            role = role.strip()
-            if not sep or role not in ROLES:
-                raise QueueSettingsError(
-                    f"role_caps (TQ_ROLE_CAPS): {item!r} is not role=N for a known role ({', '.join(ROLES)})"
-                )
-            try:
-                caps[role] = int(value)
-            except ValueError:
-                raise QueueSettingsError(
-                    f"role_caps (TQ_ROLE_CAPS): {item!r}: {value!r} is not a number"
-                ) from None
-            if caps[role] < 0:
-                raise QueueSettingsError(f"role_caps (TQ_ROLE_CAPS): {item!r}: a cap cannot be negative")
-        return caps
+    def _caps_spec(self) -> str:
+        return self.role_caps or os.environ.get("TQ_ROLE_CAPS", "")
+
+    def caps(self, roles: Iterable[str]) -> dict[str, int]:
+        """The run cap of each of ``roles`` (worker_task_roles'): its role_caps entry, else
+        default_runs_per_role. Raises naming the setting on a bad entry or one for a role that
+        is not among ``roles``."""
+        roles = list(roles)
+        named = parse_role_caps(self._caps_spec())
+        unknown = sorted(set(named) - set(roles))
+        if unknown:
+            raise QueueSettingsError(
+                f"role_caps (TQ_ROLE_CAPS) names {', '.join(unknown)}, not a role of worker_task_roles "
+                f"({', '.join(roles)}): add the role (INSERT INTO worker_task_roles) or drop its cap"
+            )
+        return {role: named.get(role, self.default_runs_per_role) for role in roles}
 
 
 class CrawlResource(dg.ConfigurableResource):

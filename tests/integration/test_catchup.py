@@ -4,8 +4,10 @@ until one succeeds, at most a few times a day."""
 from datetime import UTC, datetime
 
 import dagster as dg
+import psycopg
 import pytest
 
+from tests.helpers import add_stores
 from tq_pipelines.jobs import generate_resync_tasks_job
 from tq_pipelines.resources import CrawlResource, QueueResource
 from tq_pipelines.sensors.queue import CATCHUP_ATTEMPTS, resync_catchup_sensor
@@ -37,7 +39,10 @@ def test_catchup_requests_todays_resync_again_after_a_failed_run(db_url: str):
         assert isinstance(again, dg.RunRequest)
         assert again.run_key == f"catchup:{day}:1"
 
-        # A run that succeeded is the day's: nothing more.
+        # A run that succeeded is the day's: nothing more (dutchie, the default platform, is
+        # known to the queue once it has a store).
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            add_stores(conn, 1)
         assert _resync(instance, day, db_url).success
         done = resync_catchup_sensor(dg.build_sensor_context(instance=instance))
         assert isinstance(done, dg.SkipReason)

@@ -14,6 +14,7 @@ import pytest
 # location). Built here as a plain value pointing at the real code location module.
 from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+from pydantic import ValidationError
 
 from tests.dagster_helpers import Webhook
 from tests.helpers import add_stores, add_tasks
@@ -189,8 +190,12 @@ def test_queue_sensor_does_not_launch_runs_that_cannot_claim(
 
 
 def test_queue_sensor_with_a_bad_cap_raises_naming_it(instance: dg.DagsterInstance, db_url: str):
-    with pytest.raises(dg.DagsterError) as raised:
+    # Malformed: refused as the resource is built (test_dagster_config walks every case).
+    with pytest.raises(ValidationError, match="role_caps"):
         evaluate_queue_sensor(instance, db_url, role_caps=f"{ROLE}=lots")
+    # Well formed, for a role the database does not have: refused as the tick starts.
+    with pytest.raises(dg.DagsterError) as raised:
+        evaluate_queue_sensor(instance, db_url, role_caps="nosuchrole=2")
     assert "role_caps" in str(raised.value) + str(raised.value.__cause__)
 
 

@@ -3,6 +3,7 @@
 from datetime import UTC, datetime
 
 import pytest
+from pydantic import ValidationError
 
 from tq_pipelines.db import sqlalchemy_url
 from tq_pipelines.db.queries import parse, queries
@@ -54,13 +55,14 @@ def test_sqlalchemy_url(conninfo: str, expected: str):
 
 
 def test_role_caps_parse_and_name_the_setting_when_wrong():
-    caps = QueueResource(database_url="x", role_caps="product_resync=3, store_discovery=0").caps()
-    assert caps["product_resync"] == 3
-    assert caps["store_discovery"] == 0
-    assert caps["analytics_refresh"] == 2
-    for bad in ("nosuchrole=2", "product_resync", "product_resync=many", "product_resync=-1"):
-        with pytest.raises(QueueSettingsError, match="role_caps"):
-            QueueResource(database_url="x", role_caps=bad).caps()
+    roles = ["product_resync", "store_discovery", "analytics_refresh"]
+    caps = QueueResource(database_url="x", role_caps="product_resync=3, store_discovery=0").caps(roles)
+    assert caps == {"product_resync": 3, "store_discovery": 0, "analytics_refresh": 2}
+    with pytest.raises(QueueSettingsError, match="role_caps"):
+        QueueResource(database_url="x", role_caps="nosuchrole=2").caps(roles)
+    for bad in ("product_resync", "product_resync=many", "product_resync=-1"):
+        with pytest.raises(ValidationError, match="role_caps"):
+            QueueResource(database_url="x", role_caps=bad)
 
 
 @pytest.mark.parametrize(

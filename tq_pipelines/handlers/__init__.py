@@ -4,17 +4,25 @@ Built-in handlers (:data:`BUILTIN`) are the crawl handlers of :mod:`tq_pipelines
 A deployment plugs its own in through the entry point group ``tq_pipelines.handlers`` (name =
 role, value = ``module:function``); an entry point replaces the built-in handler of the same role.
 ``TQ_HANDLERS`` ("role=module:function,...") overrides both, for one process, without packaging.
+
+The roles themselves are rows of ``worker_task_roles``: a role a deployment adds there has no
+built-in handler, and gets one through either way above. A role without a handler is not drained
+(the sensor says so, and queue_health_sensor alerts while it has ready tasks).
 """
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 
 from tq_pipelines.crawl.handlers import HANDLERS
-from tq_pipelines.queue import JSON, ROLES, Task
+from tq_pipelines.queue import JSON, Task
 from tq_pipelines.worker import Handler, TaskContext
 
 ENTRY_POINT_GROUP = "tq_pipelines.handlers"
+HOW_TO_PLUG_IN = (
+    f"register one under the entry point group {ENTRY_POINT_GROUP} (name = role, value = module:function) "
+    "or set TQ_HANDLERS=role=module:function"
+)
 
 
 class HandlerRegistryError(RuntimeError):
@@ -40,9 +48,9 @@ def _overrides(spec: str) -> list[EntryPoint]:
     return found
 
 
-def load_handlers(roles: tuple[str, ...] = ROLES) -> dict[str, Handler]:
-    """The handler of every role: built-ins, overridden by entry points, then by TQ_HANDLERS.
-    Raises if one is missing or cannot be loaded."""
+def load_handlers(roles: Iterable[str] = ()) -> dict[str, Handler]:
+    """The handlers there are: built-ins, overridden by entry points, then by TQ_HANDLERS.
+    Raises if one cannot be loaded, or if one of ``roles`` has none."""
     handlers: dict[str, Handler] = dict(BUILTIN)
     plugged = [*entry_points(group=ENTRY_POINT_GROUP), *_overrides(os.environ.get("TQ_HANDLERS", ""))]
     for ep in plugged:
@@ -57,7 +65,5 @@ def load_handlers(roles: tuple[str, ...] = ROLES) -> dict[str, Handler]:
         handlers[ep.name] = handler
     missing = [r for r in roles if r not in handlers]
     if missing:
-        raise HandlerRegistryError(
-            f"no handler for role(s) {', '.join(missing)}; register one under {ENTRY_POINT_GROUP}"
-        )
+        raise HandlerRegistryError(f"no handler for role(s) {', '.join(missing)}; {HOW_TO_PLUG_IN}")
     return handlers

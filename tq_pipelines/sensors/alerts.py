@@ -1,13 +1,15 @@
 """Alerts: failed runs, and the queue's health (stuck tasks, failure rate, drain time)."""
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 from pydantic import Field
 
 from tq_pipelines.alerts import Alert, AlertResource
-from tq_pipelines.resources import QueueResource
+from tq_pipelines.handlers import HOW_TO_PLUG_IN, HandlerRegistryError, load_handlers
+from tq_pipelines.resources import QueueResource, settings_validator
 
 
 @dg.run_failure_sensor(name="run_failure_alert_sensor", default_status=dg.DefaultSensorStatus.RUNNING)
@@ -32,16 +34,24 @@ def run_failure_alert_sensor(context: dg.RunFailureSensorContext, alerts: AlertR
 
 
 class HealthThresholds(dg.ConfigurableResource):
-    """When queue_health_sensor raises an alert."""
+    """When queue_health_sensor raises an alert. Bounds checked as QueueResource's are."""
 
     failure_rate: float = Field(default=0.2, ge=0, le=1)
-    min_finished: int = Field(default=20, ge=1, description="Finished tasks in the hour before a rate counts")
+    min_finished: int = Field(
+        default=20, ge=1, le=1_000_000, description="Finished tasks in the hour before a rate counts"
+    )
     resync_hour_utc: int = Field(default=0, ge=0, le=23, description="When the next resync lands")
-    platform_window_minutes: int = Field(default=10, ge=1, description="Window of the platform check")
+    platform_window_minutes: int = Field(
+        default=10, ge=1, le=1440, description="Window of the platform check"
+    )
     platform_error_rate: float = Field(
         default=0.5, ge=0, le=1, description="Share of a platform's tasks ending in an error"
     )
-    platform_min_errors: int = Field(default=10, ge=1, description="Errors in the window before it counts")
+    platform_min_errors: int = Field(
+        default=10, ge=1, le=1_000_000, description="Errors in the window before it counts"
+    )
+
+    _check_setting = settings_validator()
 
 
 def hours_to_next_resync(now: datetime, resync_hour_utc: int) -> float:
@@ -51,16 +61,26 @@ def hours_to_next_resync(now: datetime, resync_hour_utc: int) -> float:
     return (next_run - now).total_seconds() / 3600
 
 
-def queue_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -> dict[str, Alert]:
-    """What is wrong with the queue now, keyed so that an unchanged problem is not re-sent."""
-    problems: dict[str, Alert] = {}
+# Each check: what it finds wrong now, keyed so that a problem that persists is sent once. A key
+# that disappears (the problem cleared) and comes back is sent again.
+Problems = dict[str, Alert]
+
+
+def stuck_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -> Problems:
     stuck = tq.queue.stuck_tasks(tq.stale_threshold_minutes)
-    if stuck:
-        problems["stuck"] = Alert(
+    if not stuck:
+        return {}
+    return {
+        "stuck": Alert(
             "Tasks stuck past the stale threshold",
             f"{stuck} task(s) claimed or running with no sign of life for over "
             f"{tq.stale_threshold_minutes} minutes; is recover_stale_tasks_schedule running?",
         )
+    }
+
+
+def platform_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -> Problems:
+    problems: Problems = {}
     for p in tq.queue.platform_errors(limits.platform_window_minutes):
         total = p["errors"] + p["completed"]
         if p["errors"] >= limits.platform_min_errors and p["errors"] / total > limits.platform_error_rate:
@@ -78,6 +98,11 @@ def queue_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -
                 + (f", {p['pause_seconds_left']:.0f} s left" if p["state"] == "paused" else ", probing")
                 + f"): {p['pause_reason']}. Its tasks wait without spending retries.",
             )
+    return problems
+
+
+def capacity_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -> Problems:
+    problems: Problems = {}
     horizon = hours_to_next_resync(now, limits.resync_hour_utc)
     for c in tq.queue.capacity():
         finished = c.completed_last_hour + c.failed_last_hour
@@ -94,6 +119,43 @@ def queue_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -
                 f"{c.active_workers} worker(s); the next resync is in {horizon:.1f} h.",
                 severity="warning",
             )
+    return problems
+
+
+def handler_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -> Problems:
+    """Roles with ready tasks and no handler: task_queue_sensor launches no run for them, so
+    nothing drains them (a role added to worker_task_roles without its handler, or a plug-in
+    missing from this code location)."""
+    try:
+        handlers = load_handlers()
+    except HandlerRegistryError as exc:
+        return {"handlers": Alert("role handlers cannot be loaded", f"{exc}: no role is drained")}
+    problems: Problems = {}
+    for role, (ready, _) in sorted(tq.queue.claimable().items()):
+        if ready and role not in handlers:
+            problems[f"no_handler:{role}"] = Alert(
+                f"role {role} has {ready} ready tasks and no handler",
+                f"task_queue_sensor launches no drain run for {role}, so its tasks wait: "
+                f"{HOW_TO_PLUG_IN} in the code location's environment (sensors and runs); "
+                "or, if the role is retired, cancel its pending tasks.",
+            )
+    return problems
+
+
+PROBLEM_CHECKS: tuple[Callable[[QueueResource, HealthThresholds, datetime], Problems], ...] = (
+    stuck_problems,
+    platform_problems,
+    capacity_problems,
+    handler_problems,
+)
+
+
+def queue_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -> Problems:
+    """What is wrong with the queue now (every check of :data:`PROBLEM_CHECKS`), keyed so that an
+    unchanged problem is not re-sent."""
+    problems: Problems = {}
+    for check in PROBLEM_CHECKS:
+        problems.update(check(tq, limits, now))
     return problems
 
 

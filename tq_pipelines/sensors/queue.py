@@ -7,8 +7,8 @@ from typing import Any
 
 import dagster as dg
 
+from tq_pipelines.handlers import load_handlers
 from tq_pipelines.jobs import DrainConfig, drain_tasks_job, drain_worker_id, generate_resync_tasks_job
-from tq_pipelines.queue import ROLES
 from tq_pipelines.resources import QueueResource
 from tq_pipelines.schedules import RESYNC_HOUR_UTC, RESYNC_MINUTE
 
@@ -42,7 +42,7 @@ def fail_dead_drain_runs(context: dg.SensorEvaluationContext, tq: QueueResource)
     by_worker = {}
     for run in runs:
         ops: Any = run.run_config.get("ops", {})
-        role = ops.get("drain_role_tasks", {}).get("config", {}).get("role")
+        role = ops.get("drain_role_tasks", {}).get("config", {}).get("role") or run.tags.get("tq/role")
         if role:
             by_worker[drain_worker_id(role, run.run_id)] = run
     if not by_worker:
@@ -74,8 +74,11 @@ def fail_dead_drain_runs(context: dg.SensorEvaluationContext, tq: QueueResource)
 def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) -> dg.SensorResult:
     """One drain run per ``tasks_per_run`` ready tasks of a role, no more than its idle stores
     can feed (a claim takes one task per store), up to the role's cap less the runs of that role
-    already queued or running."""
-    caps = tq.caps()
+    already queued or running. The roles are worker_task_roles'; one without a handler gets no
+    run (queue_health_sensor alerts on it)."""
+    roles = tq.queue.roles()
+    caps = tq.caps(roles)
+    handlers = load_handlers()
     for run_id in fail_dead_drain_runs(context, tq):
         context.log.warning(
             "drain run %s presumed dead (its worker stopped heartbeating): marked failed", run_id
@@ -95,9 +98,13 @@ def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) ->
     stamp = int(time.time())
     requests: list[dg.RunRequest] = []
     waiting: list[str] = []
-    for role in ROLES:
+    for role in roles:
         ready, claimable = work.get(role, (0, 0))
         if not ready:
+            continue
+        if role not in handlers:
+            waiting.append(f"{role}: {ready} ready and no handler, not drained")
+            context.log.warning("role %s has %s ready tasks and no handler: no drain run", role, ready)
             continue
         in_flight = context.instance.get_run_ids(
             dg.RunsFilter(job_name=drain_tasks_job.name, tags={"tq/role": role}, statuses=IN_FLIGHT)
