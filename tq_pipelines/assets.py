@@ -1,4 +1,7 @@
-"""The hourly rollup ``task_completion_log``, one UTC hour per partition."""
+"""The hourly rollup ``task_completion_log``, one UTC hour per partition. The current hour is one
+too: materialised every few minutes while it fills, made final once it has closed."""
+
+from datetime import UTC, datetime
 
 import dagster as dg
 from pydantic import Field
@@ -27,8 +30,11 @@ def task_completion_log(
     context: dg.AssetExecutionContext, config: RollupConfig, tq: QueueResource
 ) -> dg.MaterializeResult:
     """Recompute the hour from worker_tasks and upsert it (idempotent, so backfills are safe)."""
-    start = context.partition_time_window.start
-    day, hour = start.date(), start.hour
+    window = context.partition_time_window
+    day, hour = window.start.date(), window.start.hour
+    # Read before the refresh: a run that ends after the hour closed may still count as partial,
+    # never the other way round.
+    closed = window.end <= datetime.now(UTC)
     tq.queue.refresh_completion_log(day, hour)
     rows = tq.queue.completion_log(day, hour)
     created = sum(r["tasks_created"] for r in rows)
@@ -43,9 +49,11 @@ def task_completion_log(
         "tasks_failed": dg.MetadataValue.int(failed),
         "failure_rate": dg.MetadataValue.float(round(failure_rate, 4)),
         "max_role_avg_duration_sec": dg.MetadataValue.float(max(durations, default=0.0)),
+        "hour_closed": dg.MetadataValue.bool(closed),
         "by_role": dg.MetadataValue.md(_role_table(rows)),
     }
-    for r in rows:  # one plot per role and measure in the UI
+    for r in rows:  # one plot per role and measure in the UI; every role, zeros included
+        metadata[f"{r['role']}_created"] = dg.MetadataValue.int(r["tasks_created"])
         metadata[f"{r['role']}_completed"] = dg.MetadataValue.int(r["tasks_completed"])
         metadata[f"{r['role']}_failed"] = dg.MetadataValue.int(r["tasks_failed"])
     check = dg.AssetCheckResult(

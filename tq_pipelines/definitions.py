@@ -6,6 +6,7 @@ import dagster as dg
 
 from tq_pipelines.alerts import AlertResource
 from tq_pipelines.assets import task_completion_log, task_completion_log_job
+from tq_pipelines.freshness import store_freshness, store_freshness_job, store_freshness_schedule
 from tq_pipelines.handlers import load_handlers
 from tq_pipelines.jobs import (
     demo_crawl_job,
@@ -22,6 +23,7 @@ from tq_pipelines.schedules import (
     generate_resync_tasks_schedule,
     recover_stale_tasks_schedule,
     store_discovery_schedule,
+    task_completion_log_current_hour_schedule,
     task_completion_log_schedule,
 )
 from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
@@ -37,7 +39,7 @@ load_handlers()
 DEMO = os.environ.get("TQ_DEMO") == "1"
 
 defs = dg.Definitions(
-    assets=[task_completion_log, platform_limits_asset],
+    assets=[task_completion_log, platform_limits_asset, store_freshness],
     jobs=[
         generate_resync_tasks_job,
         recover_stale_tasks_job,
@@ -46,11 +48,14 @@ defs = dg.Definitions(
         enqueue_store_discovery_job,
         enqueue_analytics_refresh_job,
         demo_crawl_job,
+        store_freshness_job,
     ],
     schedules=[
         generate_resync_tasks_schedule,
         recover_stale_tasks_schedule,
         task_completion_log_schedule,
+        task_completion_log_current_hour_schedule,
+        store_freshness_schedule,
         store_discovery_schedule,
         analytics_refresh_schedule,
         *([demo_crawl_schedule] if DEMO else []),

@@ -1,5 +1,7 @@
 """Schedules. Every one is RUNNING by default: `make dev` shows a live system."""
 
+from datetime import datetime, timedelta
+
 import dagster as dg
 
 from tq_pipelines.assets import task_completion_log_job
@@ -10,6 +12,7 @@ from tq_pipelines.jobs import (
     generate_resync_tasks_job,
     recover_stale_tasks_job,
 )
+from tq_pipelines.partitions import hourly_partitions_def
 
 # 00:05 UTC: the day's resync, for that same day (the partitions have end_offset=1).
 RESYNC_HOUR_UTC, RESYNC_MINUTE = 0, 5
@@ -29,13 +32,45 @@ recover_stale_tasks_schedule = dg.ScheduleDefinition(
     default_status=dg.DefaultScheduleStatus.RUNNING,
 )
 
-# Five minutes past each hour: the hour that just closed.
-task_completion_log_schedule = dg.build_schedule_from_partitioned_job(
-    task_completion_log_job,
+
+def _hour_run_request(at: datetime, *, once: bool) -> dg.RunRequest:
+    """A run of task_completion_log for the UTC hour holding ``at``; with ``once``, one run per
+    hour whatever the tick's retries. Its partition tags are set here, as Dagster's own
+    partitioned schedules set them, so that evaluating the schedule needs no repository."""
+    key = hourly_partitions_def.get_partition_key_for_timestamp(at.timestamp())
+    return dg.RunRequest(
+        run_key=key if once else None,
+        partition_key=key,
+        tags=hourly_partitions_def.get_tags_for_partition_key(key),
+    )
+
+
+# Five minutes past each hour: the hour that just closed, made final. (The partitions have
+# end_offset=1, so the last partition at that time is the hour that has just begun.)
+@dg.schedule(
     name="task_completion_log_schedule",
-    minute_of_hour=5,
+    job=task_completion_log_job,
+    cron_schedule="5 * * * *",
+    execution_timezone="UTC",
     default_status=dg.DefaultScheduleStatus.RUNNING,
 )
+def task_completion_log_schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest:
+    return _hour_run_request(context.scheduled_execution_time - timedelta(hours=1), once=True)
+
+
+# Every five minutes: the current hour so far, so that its numbers and plots move within minutes
+# (the rollup is recomputed whole each time, so this is safe to repeat).
+@dg.schedule(
+    name="task_completion_log_current_hour_schedule",
+    job=task_completion_log_job,
+    cron_schedule="*/5 * * * *",
+    execution_timezone="UTC",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+)
+def task_completion_log_current_hour_schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest:
+    # No run key: every tick of the hour makes its run.
+    return _hour_run_request(context.scheduled_execution_time, once=False)
+
 
 # An hour before the resync: stores found today are resolved in time to be resynced tomorrow.
 store_discovery_schedule = dg.ScheduleDefinition(

@@ -718,8 +718,10 @@ def test_definitions_include_the_demo_schedule_only_with_tq_demo_1(value: str | 
         "task_completion_log_schedule",
         "store_discovery_schedule",
         "analytics_refresh_schedule",
+        "task_completion_log_current_hour_schedule",
+        "store_freshness_schedule",
     } <= set(names)
-    assert len(names) == 5 + included
+    assert len(names) == 7 + included
 
 
 # -- 6. which platforms the resync covers --------------------------------------------------------

@@ -16,11 +16,14 @@ JOBS = {
     "task_completion_log_job",
     "enqueue_store_discovery_job",
     "enqueue_analytics_refresh_job",
+    "store_freshness_job",
 }
 SCHEDULES = {
     "generate_resync_tasks_schedule": ("5 0 * * *", "generate_resync_tasks_job"),
     "recover_stale_tasks_schedule": ("*/5 * * * *", "recover_stale_tasks_job"),
     "task_completion_log_schedule": ("5 * * * *", "task_completion_log_job"),
+    "task_completion_log_current_hour_schedule": ("*/5 * * * *", "task_completion_log_job"),
+    "store_freshness_schedule": ("2-59/5 * * * *", "store_freshness_job"),
     "store_discovery_schedule": ("0 23 * * *", "enqueue_store_discovery_job"),
     "analytics_refresh_schedule": ("*/15 * * * *", "enqueue_analytics_refresh_job"),
 }
@@ -49,6 +52,7 @@ def test_jobs_schedules_sensors_and_asset_exist(repo: dg.RepositoryDefinition):
     asset_keys = set(repo.assets_defs_by_key)
     assert dg.AssetKey("task_completion_log") in asset_keys
     assert dg.AssetKey("platform_limits") in asset_keys  # observed by platform_status_sensor
+    assert dg.AssetKey("store_freshness") in asset_keys
     check_keys = repo.assets_defs_by_key[dg.AssetKey("task_completion_log")].check_keys
     assert dg.AssetCheckKey(dg.AssetKey("task_completion_log"), "failure_rate_below_threshold") in check_keys
     # The resources every job, schedule and sensor asks for are bound.

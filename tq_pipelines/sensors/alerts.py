@@ -8,6 +8,7 @@ import dagster as dg
 from pydantic import Field
 
 from tq_pipelines.alerts import Alert, AlertResource
+from tq_pipelines.freshness import DEFAULT_SLA_HOURS, DEFAULT_STALE_SHARE, MAX_SLA_HOURS, stale_store_problems
 from tq_pipelines.handlers import HOW_TO_PLUG_IN, HandlerRegistryError, load_handlers
 from tq_pipelines.resources import QueueResource, settings_validator
 
@@ -49,6 +50,18 @@ class HealthThresholds(dg.ConfigurableResource):
     )
     platform_min_errors: int = Field(
         default=10, ge=1, le=1_000_000, description="Errors in the window before it counts"
+    )
+    store_sla_hours: int = Field(
+        default=DEFAULT_SLA_HOURS,
+        ge=1,
+        le=MAX_SLA_HOURS,
+        description="A store is stale with no successful crawl in this many hours",
+    )
+    stale_store_share: float = Field(
+        default=DEFAULT_STALE_SHARE,
+        ge=0,
+        le=1,
+        description="Share of a platform's enabled stores stale before it alerts",
     )
 
     _check_setting = settings_validator()
@@ -142,11 +155,17 @@ def handler_problems(tq: QueueResource, limits: HealthThresholds, now: datetime)
     return problems
 
 
+def stale_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -> Problems:
+    """Platforms whose share of stores with no successful crawl within the SLA passes the limit."""
+    return stale_store_problems(tq.queue, limits.store_sla_hours, limits.stale_store_share)
+
+
 PROBLEM_CHECKS: tuple[Callable[[QueueResource, HealthThresholds, datetime], Problems], ...] = (
     stuck_problems,
     platform_problems,
     capacity_problems,
     handler_problems,
+    stale_problems,
 )
 
 
