@@ -75,12 +75,11 @@ WHERE date = %(day)s
 ORDER BY role;
 
 -- name: enqueue_task
-INSERT INTO worker_tasks (role, dispensary_id, platform, priority, scheduled_for, max_retries, payload)
-VALUES (
+-- One task, every argument checked by the database before it is written (migration 0008).
+SELECT enqueue_task(
   %(role)s, %(dispensary_id)s, %(platform)s, %(priority)s, %(scheduled_for)s, %(max_retries)s,
-  coalesce(%(payload)s::JSONB, '{}')
-)
-RETURNING id;
+  %(payload)s::JSONB
+) AS id;
 
 -- name: enqueue_task_once
 SELECT enqueue_task_once(
@@ -130,9 +129,6 @@ SELECT version, name, checksum FROM tq_migrations ORDER BY version;
 INSERT INTO tq_migrations (version, name, checksum)
 VALUES (%(version)s, %(name)s, %(checksum)s);
 
--- name: task_roles
--- The roles the queue knows: a deployment adds one with an INSERT into worker_task_roles.
-SELECT role FROM worker_task_roles ORDER BY role;
 
 -- name: database_exists
 SELECT 1 FROM pg_database WHERE datname = %(name)s;
@@ -194,12 +190,9 @@ LEFT JOIN (
 ORDER BY r.role;
 
 -- name: task_still_owned
--- Taken by a handler in the transaction that writes its results: the row lock holds off
--- recovery until the commit, and no row means the lease is gone and nothing must be written.
-SELECT 1 AS owned
-FROM worker_tasks
-WHERE id = %(task_id)s AND worker_id = %(worker_id)s AND status IN ('claimed', 'running')
-FOR SHARE;
+-- Taken by a handler in the transaction that writes its results: one row while the worker owns
+-- the task, locked until the commit (recovery waits for it); none when the lease is gone.
+SELECT owned FROM task_still_owned(%(task_id)s, %(worker_id)s);
 
 -- name: sync_platform_limits
 SELECT sync_platform_limits(%(limits)s) AS changed;
@@ -247,31 +240,12 @@ LEFT JOIN store_crawl_state c ON c.dispensary_id = d.id
 WHERE d.id = %(dispensary_id)s;
 
 -- name: save_entry_point
--- A store that resolves is not gone: if it was marked so, crawling is switched back on (a store
--- disabled by hand, with no gone_at, stays disabled).
-WITH old AS (
-  SELECT gone_at FROM store_crawl_state WHERE dispensary_id = %(dispensary_id)s
-),
-state AS (
-  INSERT INTO store_crawl_state (dispensary_id, platform, menu_url, resolved_at)
-  VALUES (%(dispensary_id)s, %(platform)s, %(menu_url)s, now())
-  ON CONFLICT (dispensary_id) DO UPDATE
-  SET menu_url = excluded.menu_url, resolved_at = now(), gone_at = NULL
-)
-UPDATE dispensaries
-SET platform_dispensary_id = %(platform_id)s,
-    crawl_enabled = crawl_enabled OR EXISTS (SELECT 1 FROM old WHERE old.gone_at IS NOT NULL)
-WHERE id = %(dispensary_id)s;
+-- A store that resolves is not gone: crawling comes back on if it was marked gone (migration 0010).
+SELECT save_entry_point(%(dispensary_id)s, %(platform)s, %(platform_id)s, %(menu_url)s);
 
 -- name: mark_store_gone
 -- The platform says the store is gone: no more crawls until a listing names it again.
-WITH state AS (
-  INSERT INTO store_crawl_state (dispensary_id, platform, gone_at)
-  VALUES (%(dispensary_id)s, %(platform)s, now())
-  ON CONFLICT (dispensary_id) DO UPDATE SET gone_at = now()
-)
-UPDATE dispensaries SET crawl_enabled = false
-WHERE id = %(dispensary_id)s;
+SELECT mark_store_gone(%(dispensary_id)s, %(platform)s);
 
 -- name: store_menu
 SELECT * FROM store_menu(%(dispensary_id)s, %(menu_hash)s, %(products)s);
@@ -316,24 +290,5 @@ GROUP BY r.platform
 ORDER BY r.platform;
 
 -- name: enqueue_demo_resyncs
--- The demo's crawl schedule: a product_resync for every crawlable store without one pending or
--- running, the platforms in turn a millisecond apart (as generate_resync_tasks opens a batch).
-INSERT INTO worker_tasks (role, dispensary_id, platform, scheduled_for)
-SELECT
-  'product_resync',
-  s.id,
-  s.menu_type,
-  now() + (row_number() OVER (ORDER BY s.turn, s.menu_type, s.id) - 1) * INTERVAL '1 millisecond'
-FROM (
-  SELECT d.id, d.menu_type, row_number() OVER (PARTITION BY d.menu_type ORDER BY d.id) AS turn
-  FROM dispensaries d
-  WHERE d.crawl_enabled
-    AND d.platform_dispensary_id IS NOT NULL
-    AND NOT EXISTS (
-      SELECT 1
-      FROM worker_tasks t
-      WHERE t.dispensary_id = d.id
-        AND t.role = 'product_resync'
-        AND t.status IN ('pending', 'claimed', 'running'))
-) s
-ORDER BY s.turn, s.menu_type, s.id;
+-- The demo's crawl schedule (migration 0010): one row per task created, the caller's rowcount.
+SELECT id FROM enqueue_demo_resyncs() AS id;

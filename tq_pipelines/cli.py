@@ -1,4 +1,9 @@
-"""``tq``: the command line of the queue (``python -m tq_pipelines`` works too)."""
+"""``tq``: the command line of the queue (``python -m tq_pipelines`` works too).
+
+Every error ends as one line on stderr, ``tq <command>: <reason>``, and exit code 2: arguments
+are checked as they are parsed, the database is reached (or not, with libpq's reason) within
+5 seconds before anything runs, and the queue's refusals arrive in the database's own words.
+"""
 
 import argparse
 import dataclasses
@@ -8,25 +13,115 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from datetime import UTC, date, datetime
 from pathlib import Path
+from typing import NoReturn
+
+import psycopg
 
 from tq_pipelines.crawl.platforms import PlatformSettingsError, load_platform_settings, sync_limits
-from tq_pipelines.db import dagster_database_url, database_url, embedded, sqlalchemy_url
+from tq_pipelines.db import (
+    DatabaseUnreachable,
+    check_connection,
+    dagster_database_url,
+    database_url,
+    embedded,
+    sqlalchemy_url,
+)
 from tq_pipelines.db.migrate import MigrationError, migrate
 from tq_pipelines.demo import seed_demo, start_demo
-from tq_pipelines.queue import QueueInputError, TaskQueue
+from tq_pipelines.queue import QueueInputError, TaskQueue, resync_window
+from tq_pipelines.redact import redact_conninfo, redact_text
+
+# Bounds of the arguments checked as they are parsed. The database checks the queue's own again
+# (generate_resync_tasks, recover_stale_tasks) and stays the authority on them.
+BATCHES = (1, 24)
+THRESHOLD_MINUTES = (1, 10_080)
+DEMO_STORES = (1, 10_000)
+PORTS = (1, 65_535)
+PLATFORM_NAME_CHARS = 50
+
+
+class CommandError(Exception):
+    """A command refused to go on; the message is the reason, for the one line on stderr."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (``tq generate: argument --batches: ...``) and
+    exit code 2, without the usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
 
 
 def _parse_day(text: str) -> date:
+    """A UTC day within the window generate_resync_tasks takes."""
     try:
-        return date.fromisoformat(text)
+        day = date.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a date (YYYY-MM-DD): {text!r}") from None
+    first, last = resync_window(datetime.now(UTC).date())
+    if not first <= day <= last:
+        raise argparse.ArgumentTypeError(
+            f"{text} is outside the days a resync takes: from {first} to {last} (UTC; older days' "
+            "tasks would all be due at once, ahead of every other task)"
+        )
+    return day
+
+
+def _int_between(low: int, high: int, what: str) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``low`` to ``high``; ``what`` says what it counts."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from {low} to {high} ({what})")
+        return value
+
+    return parse
+
+
+def _platform_name(text: str) -> str:
+    name = text.strip()
+    if not name or len(name) > PLATFORM_NAME_CHARS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a platform name: 1 to {PLATFORM_NAME_CHARS} characters (dispensaries.menu_type)"
+        )
+    return name
+
+
+def _database() -> str:
+    """The queue database's URL, once a first connection has succeeded (within 5 s, else
+    :class:`DatabaseUnreachable` with libpq's reason)."""
+    url = database_url()
+    check_connection(url)
+    return url
+
+
+def _reason(exc: BaseException) -> str:
+    """The one line an error ends as: its own words for the errors of each layer, the type's
+    name too for anything else; secrets masked, whitespace folded."""
+    if isinstance(
+        exc, QueueInputError | DatabaseUnreachable | MigrationError | PlatformSettingsError | CommandError
+    ):
+        text = str(exc)
+    elif isinstance(exc, psycopg.Error):
+        text = f"the database refused: {exc.diag.message_primary or exc}"
+        if exc.sqlstate:
+            text += f" (SQLSTATE {exc.sqlstate})"
+        if exc.sqlstate in ("42P01", "42883"):  # undefined table, function
+            text += "; is the database migrated? (tq migrate)"
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return " ".join(redact_text(text).split())
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
-    url = database_url()
+    url = _database()
     applied = migrate(url)
     print("applied: " + ", ".join(applied) if applied else "up to date")
     return 0
@@ -36,12 +131,13 @@ def _cmd_db(args: argparse.Namespace) -> int:
     if args.action == "stop":
         print("stopped" if embedded.stop() else "not running")
     else:
-        print(database_url())
+        # The embedded server's URL has no password; a configured one is shown without it.
+        print(redact_conninfo(database_url()))
     return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    with TaskQueue.connect(database_url()) as queue:
+    with TaskQueue.connect(_database()) as queue:
         created = queue.generate_resync(
             day=args.date, batches_per_day=args.batches, platforms=args.platform or ["dutchie"]
         )
@@ -50,14 +146,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_recover(args: argparse.Namespace) -> int:
-    with TaskQueue.connect(database_url()) as queue:
+    with TaskQueue.connect(_database()) as queue:
         report = queue.recover_stale(args.threshold_minutes)
     print(json.dumps(dataclasses.asdict(report)))
     return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    with TaskQueue.connect(database_url()) as queue:
+    with TaskQueue.connect(_database()) as queue:
         rows = queue.capacity()
     header = ("role", "pending", "ready", "claimed", "running", "done/h", "failed/h", "workers")
     print("{:<24}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}".format(*header))
@@ -71,12 +167,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_platforms(args: argparse.Namespace) -> int:
     """Each platform's fleet-wide limits and state; with --sync, loaded from the platforms file first."""
-    with TaskQueue.connect(database_url()) as queue:
-        if args.sync:
-            path = args.file or os.environ.get("TQ_PLATFORMS_FILE")
-            if not path:
-                print("tq platforms --sync: no platforms file (--file or TQ_PLATFORMS_FILE)", file=sys.stderr)
-                return 2
+    path: str | None = args.file or os.environ.get("TQ_PLATFORMS_FILE")
+    if args.sync and not path:
+        raise CommandError("--sync needs a platforms file: give --file or set TQ_PLATFORMS_FILE")
+    with TaskQueue.connect(_database()) as queue:
+        if args.sync and path:
             changed = sync_limits(queue, load_platform_settings(path))
             print(f"limits loaded from {path}: {changed} platform(s) changed")
         rows = queue.platform_status()
@@ -95,13 +190,11 @@ def _cmd_dev(args: argparse.Namespace) -> int:
     """Database up and migrated, then `dagster dev` in the foreground; Ctrl-C stops it all."""
     home = Path(args.home).resolve()
     if not (home / "dagster.yaml").is_file() or not (home / "workspace.yaml").is_file():
-        print(
-            f"tq dev: no dagster.yaml and workspace.yaml in {home} (run it from the checkout)",
-            file=sys.stderr,
+        raise CommandError(
+            f"no dagster.yaml and workspace.yaml in {home} (run it from the checkout, or give --home)"
         )
-        return 2
     own_server = not os.environ.get("TQ_DATABASE_URL")
-    url = database_url()
+    url = _database()
     applied = migrate(url)
     print(f"tq dev: queue database {'embedded, ' if own_server else ''}migrated ({len(applied)} new)")
     env = {
@@ -145,11 +238,16 @@ def _cmd_dev(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     """The simulator in the foreground, its platforms file, and the first discovery tasks."""
     folder = Path(args.folder).resolve() if args.folder else embedded.default_pgdata().parent / "demo"
+    url = _database() if args.seed else None  # before the simulator starts: fail fast
     fleet = start_demo(folder, stores_per_platform=args.stores)
     for name, platform in fleet.simulator.platforms.items():
         print(f"tq demo: {name} on {platform.base_url} ({platform.profile.stores} stores)")
-    if args.seed:
-        created = seed_demo(database_url(), fleet)
+    if url is not None:
+        try:
+            created = seed_demo(url, fleet)
+        except BaseException:
+            fleet.stop()
+            raise
         print(f"tq demo: {created} store_discovery tasks queued")
     print(
         f"tq demo: export TQ_PLATFORMS_FILE={fleet.platforms_file}  (Ctrl-C stops the simulator)", flush=True
@@ -166,7 +264,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tq", description=__doc__)
+    parser = _Parser(prog="tq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("migrate", help="apply the migrations in sql/migrations").set_defaults(func=_cmd_migrate)
@@ -176,13 +274,27 @@ def build_parser() -> argparse.ArgumentParser:
     db.set_defaults(func=_cmd_db)
 
     gen = sub.add_parser("generate", help="create a day's product_resync tasks (idempotent)")
-    gen.add_argument("--date", type=_parse_day, default=datetime.now(UTC).date(), help="UTC day")
-    gen.add_argument("--batches", type=int, default=6, help="batches per day, 1..24")
-    gen.add_argument("--platform", action="append", help="platform to resync (repeatable)")
+    gen.add_argument(
+        "--date", type=_parse_day, default=datetime.now(UTC).date(), help="UTC day (default today)"
+    )
+    gen.add_argument(
+        "--batches",
+        type=_int_between(*BATCHES, "batches per UTC day"),
+        default=6,
+        help="batches per day, 1..24",
+    )
+    gen.add_argument(
+        "--platform", type=_platform_name, action="append", help="platform to resync (repeatable)"
+    )
     gen.set_defaults(func=_cmd_generate)
 
     rec = sub.add_parser("recover", help="give back the tasks of silent workers")
-    rec.add_argument("--threshold-minutes", type=int, default=10)
+    rec.add_argument(
+        "--threshold-minutes",
+        type=_int_between(*THRESHOLD_MINUTES, "minutes of silence"),
+        default=10,
+        help="minutes of silence after which a worker's tasks go back, 1..10080 (default 10)",
+    )
     rec.set_defaults(func=_cmd_recover)
 
     sub.add_parser("status", help="v_worker_capacity, one line per role").set_defaults(func=_cmd_status)
@@ -195,14 +307,24 @@ def build_parser() -> argparse.ArgumentParser:
     dev = sub.add_parser("dev", help="database up and migrated, then the Dagster UI and daemon")
     dev.add_argument("--home", default=".", help="folder with dagster.yaml and workspace.yaml")
     dev.add_argument("--host", default="127.0.0.1")
-    dev.add_argument("--port", type=int, default=3000)
+    dev.add_argument("--port", type=_int_between(*PORTS, "a TCP port"), default=3000)
     dev.add_argument("--no-demo", action="store_true", help="no menu simulator and no demo tasks")
     dev.add_argument("--demo", action="store_true", help="the demo fleet also with TQ_DATABASE_URL set")
-    dev.add_argument("--demo-stores", type=int, default=100, help="demo stores per platform")
+    dev.add_argument(
+        "--demo-stores",
+        type=_int_between(*DEMO_STORES, "stores per platform"),
+        default=100,
+        help="demo stores per platform",
+    )
     dev.set_defaults(func=_cmd_dev)
 
     demo = sub.add_parser("demo", help="serve the menu simulator (three platforms) until Ctrl-C")
-    demo.add_argument("--stores", type=int, default=100, help="stores per platform")
+    demo.add_argument(
+        "--stores",
+        type=_int_between(*DEMO_STORES, "stores per platform"),
+        default=100,
+        help="stores per platform",
+    )
     demo.add_argument("--folder", help="where to write platforms.toml (default .tq/demo)")
     demo.add_argument("--seed", action="store_true", help="also queue store_discovery tasks in the database")
     demo.set_defaults(func=_cmd_demo)
@@ -210,11 +332,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; any error is one line on stderr and exit code 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = f"{parser.prog} {args.command}"
     try:
         return int(args.func(args))
-    except (QueueInputError, MigrationError, PlatformSettingsError) as exc:
-        print(f"tq: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        print(f"{command}: {_reason(exc)}", file=sys.stderr)
         return 2
 
 

@@ -37,7 +37,11 @@ def generate_resync_tasks(
 ):
     """Create the product_resync tasks of the partition's UTC day. Idempotent."""
     day = context.partition_time_window.start.date()
-    platforms = config.platforms or sorted(crawl.settings()) or ["dutchie"]
+    settings = crawl.settings()
+    if settings:
+        # The file's platforms are known to the queue (and limited) before any store is listed.
+        sync_limits(tq.queue, settings)
+    platforms = config.platforms or sorted(settings) or ["dutchie"]
     created = tq.queue.generate_resync(day=day, batches_per_day=config.batches_per_day, platforms=platforms)
     context.log.info("created %s product_resync tasks for %s", created, day)
     return dg.Output(

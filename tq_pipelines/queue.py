@@ -32,6 +32,15 @@ ROLES = (
 # fail_task and defer_task never push a task further than this (Retry-After included).
 MAX_DELAY_SECONDS = 86_400.0
 
+# The UTC days generate_resync_tasks takes, counted from today: the same two numbers as SQL's
+# tq_resync_window() (migration 0008), which decides; the command line checks them before it
+# connects.
+RESYNC_DAYS_BACK = 1826
+RESYNC_DAYS_AHEAD = 7
+
+# What PostgreSQL's INTEGER holds: a Python int outside it never reaches the function's own check.
+_INT32 = (-(2**31), 2**31 - 1)
+
 # Error texts are kept to this many characters: enough for a traceback's gist, never a whole page.
 MAX_TEXT_CHARS = 8192
 
@@ -47,7 +56,44 @@ def storable_text(text: str, limit: int = MAX_TEXT_CHARS) -> str:
 
 
 class QueueInputError(ValueError):
-    """The queue refused an argument (unknown role, batch count out of range, ...)."""
+    """The queue refused an argument (unknown role, batch count out of range, ...): the server's
+    message (which names the argument and the value), its detail and its hint (what would be
+    accepted), and the SQLSTATE; or the same from a check the database cannot make."""
+
+    def __init__(
+        self, message: str, *, detail: str | None = None, hint: str | None = None, sqlstate: str | None = None
+    ) -> None:
+        super().__init__("; ".join(p for p in (message, detail, hint) if p))
+        self.message = message
+        self.detail = detail
+        self.hint = hint
+        self.sqlstate = sqlstate
+
+    @classmethod
+    def from_server(cls, exc: psycopg.Error) -> "QueueInputError":
+        diag = exc.diag
+        return cls(
+            diag.message_primary or str(exc),
+            detail=diag.message_detail,
+            hint=diag.message_hint,
+            sqlstate=exc.sqlstate,
+        )
+
+
+# Errors that say an argument was refused: data exceptions (class 22: 22023 invalid parameter,
+# 22001 too long, 22003 out of range, 22007/22008 bad date or time, ...) and the constraints a
+# value can break (NOT NULL, foreign key, CHECK). psycopg's own refusals (a NUL in a string) are
+# DataErrors without a SQLSTATE.
+_INPUT_SQLSTATES = frozenset({"23502", "23503", "23514"})
+
+
+def _is_input_error(exc: psycopg.Error) -> bool:
+    return isinstance(exc, psycopg.DataError) or exc.sqlstate in _INPUT_SQLSTATES
+
+
+def resync_window(today: date) -> tuple[date, date]:
+    """The first and last UTC day generate_resync_tasks takes, ``today`` being today's UTC date."""
+    return today - timedelta(days=RESYNC_DAYS_BACK), today + timedelta(days=RESYNC_DAYS_AHEAD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,12 +224,10 @@ class TaskQueue:
         with self.pool.connection() as conn, conn.cursor(row_factory=row_factory) as cur:
             try:
                 yield cur
-            except psycopg.errors.InvalidParameterValue as exc:
-                raise QueueInputError(_server_message(exc)) from exc
-            except psycopg.errors.ForeignKeyViolation as exc:
-                raise QueueInputError(_server_message(exc)) from exc
-            except psycopg.errors.CheckViolation as exc:
-                raise QueueInputError(_server_message(exc)) from exc
+            except psycopg.Error as exc:
+                if _is_input_error(exc):
+                    raise QueueInputError.from_server(exc) from exc
+                raise
 
     def _one(self, name: str, params: Mapping[str, Any]) -> dict[str, Any]:
         with self._cursor() as cur:
@@ -204,6 +248,7 @@ class TaskQueue:
         With ``start`` they are running at once (one update per task instead of two), for a
         worker that begins every task it claims straight away.
         """
+        _require_int32("max_tasks", max_tasks)
         params = {"role": role, "worker_id": worker_id, "max_tasks": max_tasks, "start": start}
         with self._cursor(task_row) as cur:
             return cur.execute(query("claim_tasks"), params).fetchall()
@@ -224,12 +269,14 @@ class TaskQueue:
         return set(row["ids"])
 
     def complete(self, task_id: int, worker_id: str, result: JSON = None) -> bool:
-        params = {"task_id": task_id, "worker_id": worker_id, "result": _jsonb(result)}
+        params = {"task_id": task_id, "worker_id": worker_id, "result": _jsonb(result, "result")}
         return bool(self._one("complete_task", params)["ok"])
 
     def complete_many(self, worker_id: str, results: Mapping[int, JSON]) -> set[int]:
         """Complete several tasks in one transaction; returns the ids completed."""
-        return self.complete_many_json(worker_id, {i: json.dumps(r) for i, r in results.items()})
+        return self.complete_many_json(
+            worker_id, {i: _json_text(r, f"result of task {i}") for i, r in results.items()}
+        )
 
     def complete_many_json(
         self,
@@ -252,6 +299,13 @@ class TaskQueue:
         }
         if times is None:
             return set(self._one("complete_tasks", params)["ids"])
+        for i in ids:
+            # NaN and infinity have no place on a timeline; the SQL would fail on them unnamed.
+            if i in times and not all(math.isfinite(t) for t in times[i]):
+                raise QueueInputError(
+                    f"complete_tasks_timed: times of task {i} must be finite seconds, got {times[i]!r}",
+                    hint="Give when the handler began and ended, in seconds after the task's claim.",
+                )
         params["began"] = [times[i][0] if i in times else None for i in ids]
         params["ended"] = [times[i][1] if i in times else None for i in ids]
         return set(self._one("complete_tasks_timed", params)["ids"])
@@ -272,14 +326,18 @@ class TaskQueue:
             "worker_id": worker_id,
             "error": storable_text(error),
             "retryable": retryable,
-            "retry_after": None if retry_after is None else _interval(retry_after),
+            "retry_after": None if retry_after is None else _interval(retry_after, "retry_after"),
         }
         status: Status | None = self._one("fail_task", params)["status"]
         return status
 
     def defer(self, task_id: int, worker_id: str, delay_seconds: float) -> bool:
         """Give a task back untried, due again in ``delay_seconds``, without spending a retry."""
-        params = {"task_id": task_id, "worker_id": worker_id, "delay": _interval(delay_seconds)}
+        params = {
+            "task_id": task_id,
+            "worker_id": worker_id,
+            "delay": _interval(delay_seconds, "delay_seconds"),
+        }
         return bool(self._one("defer_task", params)["ok"])
 
     def cancel(self, task_id: int) -> bool:
@@ -312,6 +370,7 @@ class TaskQueue:
 
     def worker_completed(self, worker_id: str, count: int) -> None:
         """Count completions written in handlers' own transactions in the worker's registry."""
+        _require_int32("count", count)
         self._one("worker_completed", {"worker_id": worker_id, "count": count})
 
     def worker_liveness(self, worker_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -328,11 +387,13 @@ class TaskQueue:
         """Give back, within seconds, the tasks of workers silent for ``intervals`` of their own
         heartbeat intervals (never less than ``min_seconds``): the short lease.
         :meth:`recover_stale` stays the backstop."""
-        row = self._one("expire_leases", {"intervals": intervals, "min_seconds": min_seconds})
+        params = {"intervals": float(intervals), "min_seconds": float(min_seconds)}
+        row = self._one("expire_leases", params)
         return RecoveryReport(row["recovered"], row["failed"], 0)
 
     def recover_stale(self, threshold_minutes: int = 10) -> RecoveryReport:
         """Give back the tasks of workers silent past the threshold."""
+        _require_int32("stale_threshold_minutes", threshold_minutes)
         return RecoveryReport(**self._one("recover_stale_tasks", {"threshold_minutes": threshold_minutes}))
 
     def generate_resync(
@@ -343,11 +404,19 @@ class TaskQueue:
         platforms: Sequence[str] = ("dutchie",),
     ) -> int:
         """Create the product_resync tasks of the UTC day ``day``; returns how many were new."""
+        if isinstance(platforms, str):
+            # list("dutchie") would ask for platforms 'd', 'u', 't', ...
+            raise QueueInputError(
+                f"generate_resync_tasks: platforms must be a list of names, got the string {platforms!r}",
+                hint=f"Give [{platforms!r}] for one platform.",
+            )
+        _require_int32("batches_per_day", batches_per_day)
         params = {"batches_per_day": batches_per_day, "day": day, "platforms": list(platforms)}
         return int(self._one("generate_resync_tasks", params)["created"])
 
     def refresh_completion_log(self, day: date, hour: int) -> int:
         """Recompute ``task_completion_log`` for one UTC hour; returns the rows written."""
+        _require_int32("hour", hour)
         return int(self._one("refresh_task_completion_log", {"day": day, "hour": hour})["rows"])
 
     def completion_log(self, day: date, hour: int) -> list[dict[str, Any]]:
@@ -365,7 +434,15 @@ class TaskQueue:
         max_retries: int = 3,
         payload: Mapping[str, JSON] | None = None,
     ) -> int:
-        """Add one task; returns its id. ``payload`` holds the role's parameters (a JSON object)."""
+        """Add one task; returns its id. ``payload`` holds the role's parameters (a JSON object).
+        The database checks every argument (``enqueue_task`` in SQL) and refuses a bad one with a
+        :class:`QueueInputError` naming it."""
+        for name, value in (
+            ("dispensary_id", dispensary_id),
+            ("priority", priority),
+            ("max_retries", max_retries),
+        ):
+            _require_int32(name, value)
         params = {
             "role": role,
             "dispensary_id": dispensary_id,
@@ -373,7 +450,7 @@ class TaskQueue:
             "priority": priority,
             "scheduled_for": scheduled_for,
             "max_retries": max_retries,
-            "payload": _jsonb(payload),
+            "payload": _jsonb(payload, "payload"),
         }
         return int(self._one("enqueue_task", params)["id"])
 
@@ -389,13 +466,15 @@ class TaskQueue:
     ) -> int | None:
         """:meth:`enqueue` unless a task of the same role, store and payload is pending or active;
         returns the new id, or None when there was one already."""
+        for name, value in (("dispensary_id", dispensary_id), ("priority", priority)):
+            _require_int32(name, value)
         params = {
             "role": role,
             "dispensary_id": dispensary_id,
             "platform": platform,
             "priority": priority,
             "scheduled_for": scheduled_for,
-            "payload": _jsonb(payload),
+            "payload": _jsonb(payload, "payload"),
         }
         new_id = self._one("enqueue_task_once", params)["id"]
         return None if new_id is None else int(new_id)
@@ -419,13 +498,10 @@ class TaskQueue:
             rows = cur.execute(query("claimable_now")).fetchall()
         return {r["role"]: (r["ready"], r["claimable"]) for r in rows}
 
-    def roles(self) -> list[str]:
-        with self._cursor() as cur:
-            return [r["role"] for r in cur.execute(query("list_roles")).fetchall()]
-
     def platform_errors(self, minutes: int) -> list[dict[str, Any]]:
         """Per platform over the last ``minutes``: tasks completed, tasks that ended in an error
         (failed, or back for a retry), and the latest error."""
+        _require_int32("minutes", minutes)
         with self._cursor() as cur:
             return cur.execute(query("platform_errors"), {"minutes": minutes}).fetchall()
 
@@ -434,7 +510,7 @@ class TaskQueue:
     def sync_platform_limits(self, limits: Sequence[PlatformLimits]) -> int:
         """Load platforms' limits (keeping their live state); returns how many changed."""
         rows = [dataclasses.asdict(x) for x in limits]
-        return int(self._one("sync_platform_limits", {"limits": Jsonb(rows)})["changed"])
+        return int(self._one("sync_platform_limits", {"limits": _jsonb(rows, "limits")})["changed"])
 
     def platform_request(self, task_id: int, worker_id: str, *, first: bool) -> RequestDecision:
         """May this request of the task start, and when (see ``platform_request`` in SQL)."""
@@ -450,7 +526,7 @@ class TaskQueue:
             "platform": platform,
             "task_id": task_id,
             "error": storable_text(error),
-            "retry_after": None if retry_after is None else _interval(retry_after),
+            "retry_after": None if retry_after is None else _interval(retry_after, "retry_after"),
         }
         row = self._one("platform_error", params)
         return float(row["wait_seconds"]) if row["paused"] else None
@@ -486,30 +562,55 @@ class TaskQueue:
     def roles(self) -> list[str]:
         """The roles in ``worker_task_roles``, by name: the built-in ones and any a deployment added."""
         with self._cursor() as cur:
-            return [r["role"] for r in cur.execute(query("task_roles")).fetchall()]
+            return [r["role"] for r in cur.execute(query("list_roles")).fetchall()]
 
     def stuck_tasks(self, threshold_minutes: int) -> int:
         """Active tasks whose owner has been silent past the threshold."""
+        _require_int32("threshold_minutes", threshold_minutes)
         return int(self._one("stuck_tasks", {"threshold_minutes": threshold_minutes})["stuck"])
 
 
 _FLOAT_COLUMNS = ("avg_duration_sec", "tasks_per_worker_hour", "estimated_hours_to_drain")
 
 
-def _interval(seconds: float) -> timedelta:
+def _interval(seconds: float, argument: str) -> timedelta:
     """Seconds as an interval; the SQL caps delays at a day, so anything longer (even inf) is a
-    day here too, rather than an overflow."""
+    day here too, rather than an overflow. NaN is no delay at all: refused."""
     if math.isnan(seconds):
-        raise QueueInputError("a delay must be a number of seconds, got NaN")
+        raise QueueInputError(
+            f"{argument} must be a number of seconds, got NaN",
+            hint="Give 0 or more seconds; delays are capped at a day.",
+        )
     return timedelta(seconds=min(max(seconds, 0.0), MAX_DELAY_SECONDS))
 
 
-def _jsonb(value: JSON) -> Jsonb | None:
-    return None if value is None else Jsonb(value)
+def _json_text(value: JSON, argument: str) -> str:
+    """``value`` as JSON text; NaN and infinity (which json.dumps writes and PostgreSQL refuses)
+    and values JSON has no form for are refused naming ``argument``."""
+    hint = "Give JSON values only: objects, lists, text, finite numbers, true, false and None."
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        raise QueueInputError(
+            f"{argument} holds NaN or infinity, which JSON has no form for", hint=hint
+        ) from None
+    except TypeError as exc:
+        raise QueueInputError(f"{argument} cannot be stored as JSON: {exc}", hint=hint) from None
 
 
-def _server_message(exc: psycopg.Error) -> str:
-    """The server's words: message, then detail (which names the refused key) and hint."""
-    diag = exc.diag
-    parts = [diag.message_primary or str(exc), diag.message_detail, diag.message_hint]
-    return ": ".join(p for p in parts if p)
+def _jsonb(value: JSON, argument: str) -> Jsonb | None:
+    if value is None:
+        return None
+    text = _json_text(value, argument)
+    return Jsonb(value, dumps=lambda _: text)  # checked once, serialised once
+
+
+def _require_int32(argument: str, value: int | None) -> None:
+    """A Python int PostgreSQL's INTEGER cannot hold would fail as an unknown function, not as
+    the refused argument it is: refused here, naming it."""
+    if value is not None and not _INT32[0] <= value <= _INT32[1]:
+        raise QueueInputError(
+            f"{argument} must fit a 32-bit integer, got {value}",
+            hint=f"The queue's functions take {argument} as an INTEGER ({_INT32[0]} to {_INT32[1]}), "
+            "and most take far less: the refusal of a smaller value says how much.",
+        )

@@ -54,7 +54,11 @@ def check_setting(cls: type, value: Any, handler: ValidatorFunctionWrapHandler, 
         raise PydanticCustomError(
             "setting",
             "{setting} = {value} is refused: {reason}",
-            {"setting": f"{cls.__name__}.{info.field_name}", "value": repr(value)[:200], "reason": reason},
+            {
+                "setting": f"{cls.__name__}.{info.field_name}",
+                "value": redact_text(repr(value))[:200],
+                "reason": reason,
+            },
         ) from None
 
 

@@ -25,6 +25,7 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from tq_pipelines.queue import MAX_DELAY_SECONDS
+from tq_pipelines.redact import redact_text
 from tq_pipelines.worker import (
     DeferTask,
     PermanentTaskError,
@@ -38,9 +39,11 @@ MAX_REDIRECTS = 5
 
 
 class GoneError(PermanentTaskError):
-    """HTTP 410: the platform says the thing asked for is gone for good."""
+    """HTTP 410: the platform says the thing asked for is gone for good. ``url`` is as errors show
+    it: credentials and token parameters masked."""
 
     def __init__(self, url: str, status: int = 410) -> None:
+        url = redact_text(url)
         super().__init__(f"HTTP {status} for {url}")
         self.url = url
         self.status = status
@@ -95,8 +98,10 @@ class _Host:
 
 
 def host_key(url: str) -> str:
+    """Scheme, host and port: the unit of the per-host limits, and how messages name a host
+    (never with the credentials a URL may carry)."""
     parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}"
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
 
 
 def retry_after_seconds(value: str | None) -> float | None:
@@ -165,7 +170,7 @@ class PoliteClient:
             if not response.is_redirect:
                 return self._body(response, host, permit)
             url, params = urljoin(str(response.url), response.headers["location"]), None
-        raise PermanentTaskError(f"more than {MAX_REDIRECTS} redirects from GET {url}")
+        raise PermanentTaskError(redact_text(f"more than {MAX_REDIRECTS} redirects from GET {url}"))
 
     def _send(
         self,
@@ -202,7 +207,7 @@ class PoliteClient:
     @staticmethod
     def _body(response: httpx.Response, host: _Host, permit: PlatformPermit | None) -> Any:
         status = response.status_code
-        url = str(response.request.url)
+        url = redact_text(str(response.request.url))
         if status == 429 or status >= 500:
             after = retry_after_seconds(response.headers.get("Retry-After"))
             if status == 429 and after:
@@ -217,11 +222,11 @@ class PoliteClient:
         # A 404 fails the task but does not switch the store off: a wrong path in the settings or a
         # proxy's hiccup answers 404 too, and one of those must not silence a whole platform.
         if status >= 400:
-            raise PermanentTaskError(f"HTTP {status} for {url}: {response.text[:200]}")
+            raise PermanentTaskError(redact_text(f"HTTP {status} for {url}: {response.text[:200]}"))
         try:
             return response.json()
         except ValueError as exc:
-            raise PermanentTaskError(f"{url} did not answer JSON: {exc}") from exc
+            raise PermanentTaskError(redact_text(f"{url} did not answer JSON: {exc}")) from exc
 
 
 def _platform_trouble(
@@ -229,7 +234,9 @@ def _platform_trouble(
 ) -> NoReturn:
     """An answer that speaks of the platform: its breaker hears of it. If the platform is now
     paused (this answer tripped it, or it was already), the task is given back untried for the
-    pause; otherwise it is a transient failure."""
+    pause; otherwise it is a transient failure. The message (stored with the task and the
+    platform) has the URL's credentials and token parameters masked."""
+    message = redact_text(message)
     if permit is not None:
         pause = permit.report_error(message, retry_after=retry_after)
         if pause is not None:

@@ -58,9 +58,9 @@ def dagster_database_url(queue_url: str) -> str:
         return ensure_database(queue_url, f"{dbname}_dagster")
     except psycopg.Error as exc:
         raise RuntimeError(
-            f"cannot create the Dagster database {dbname}_dagster: {exc}; "
+            f"cannot create the Dagster database {dbname}_dagster: {redact_text(str(exc), [queue_url])}; "
             "create it, or point TQ_DAGSTER_DATABASE_URL at a database Dagster may use"
-        ) from exc
+        ) from None
 
 
 def sqlalchemy_url(conninfo: str) -> str:

@@ -1,7 +1,8 @@
 """The schema the migrations build: a catalog snapshot to compare databases, and ``sql/schema.sql``.
 
 ``python -m tq_pipelines.db.schema URL -o sql/schema.sql`` regenerates the snapshot: it creates a
-scratch database on the server at URL, migrates it, dumps it with ``pg_dump`` and drops it.
+scratch database on the server at URL (default: TQ_DATABASE_URL), migrates it, dumps it with
+``pg_dump`` and drops it. pg_dump gets the password through PGPASSWORD, never on its command line.
 """
 
 import argparse
@@ -17,13 +18,15 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tq_pipelines.db.migrate import load_migrations, migrate, pending_migrations
 from tq_pipelines.db.queries import query
+from tq_pipelines.redact import redact_conninfo, redact_text
 
 # The sections of a snapshot; each is the named query ``catalog_<section>`` of sql/catalog.sql.
 CATALOG_SECTIONS = (
@@ -302,18 +305,45 @@ def clean_dump(dump: str, *, pg_dump_major: int, server_major: int) -> str:
 # --- dumping -------------------------------------------------------------------------------------
 
 
+def _connect(conninfo: str, **kwargs: Any) -> psycopg.Connection:
+    """A connection, or SchemaDumpError with libpq's reason and no password (``from None``: the
+    psycopg error may quote a piece of the URL)."""
+    try:
+        return psycopg.connect(conninfo, **kwargs)
+    except psycopg.Error as exc:
+        reason = redact_text(" ".join(str(exc).split()), [conninfo])
+        raise SchemaDumpError(f"cannot connect to {redact_conninfo(conninfo)}: {reason}") from None
+
+
+def _without_password(conninfo: str) -> tuple[str, dict[str, str]]:
+    """``conninfo`` without its password, and the environment that gives pg_dump the password
+    (PGPASSWORD): a command line is visible to every user of the machine (ps, /proc)."""
+    params = {k: str(v) for k, v in conninfo_to_dict(conninfo).items() if v is not None}
+    if "sslpassword" in params:
+        raise SchemaDumpError(
+            "the URL has sslpassword, which pg_dump could only get on its command line, where "
+            "every user of the machine sees it: decrypt the client key or connect without one"
+        )
+    env = dict(os.environ)
+    password = params.pop("password", None)
+    if password is not None:
+        env["PGPASSWORD"] = password
+    return make_conninfo("", **params), env
+
+
 def dump_database(conninfo: str) -> str:
     """sql/schema.sql's text for the migrated database at ``conninfo``."""
-    with psycopg.connect(conninfo) as conn:
+    with _connect(conninfo) as conn:
         server_major = conn.info.server_version // 10000
         missing = pending_migrations(conn, load_migrations())
     if missing:
         names = ", ".join(m.filename for m in missing)
         raise SchemaDumpError(f"the database is not fully migrated (missing {names})")
     pg_dump = choose_pg_dump(server_major, find_pg_dumps())
+    dbname, env = _without_password(conninfo)
     command = [
         str(pg_dump.path),
-        f"--dbname={conninfo}",
+        f"--dbname={dbname}",
         "--no-password",
         "--encoding=UTF8",
         "--no-owner",
@@ -328,9 +358,10 @@ def dump_database(conninfo: str) -> str:
         "--column-inserts",
         "--rows-per-insert=1000",
     ]
-    done = subprocess.run(command, capture_output=True, text=True, encoding="utf-8", check=False)
+    done = subprocess.run(command, capture_output=True, text=True, encoding="utf-8", check=False, env=env)
     if done.returncode != 0:
-        raise SchemaDumpError(f"{pg_dump.path} failed ({done.returncode}): {done.stderr.strip()}")
+        error = redact_text(done.stderr.strip(), [conninfo, env.get("PGPASSWORD", "")])
+        raise SchemaDumpError(f"{pg_dump.path} failed ({done.returncode}): {error}")
     return clean_dump(done.stdout, pg_dump_major=pg_dump.major, server_major=server_major)
 
 
@@ -338,7 +369,7 @@ def dump_schema(conninfo: str) -> str:
     """The text of sql/schema.sql: the current migrations applied to a scratch database on the
     server at ``conninfo`` (any database there), dumped, and the scratch database dropped."""
     name = f"tq_schema_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(conninfo, autocommit=True) as conn:
+    with _connect(conninfo, autocommit=True) as conn:
         conn.execute(query("schema_scratch_create").format(name=sql.Identifier(name)))
     try:
         scratch = make_conninfo(conninfo, dbname=name)
@@ -367,13 +398,22 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tq_pipelines.db.schema",
         description="Print (or write) sql/schema.sql for the current migrations.",
     )
-    parser.add_argument("url", help="a server where a scratch database may be created and dropped")
+    parser.add_argument(
+        "url",
+        nargs="?",
+        help="a server where a scratch database may be created and dropped (default: TQ_DATABASE_URL; "
+        "a password on the command line is visible to every user of the machine: give it with "
+        "PGPASSWORD or ~/.pgpass instead)",
+    )
     parser.add_argument("-o", "--output", type=Path, help="write here (only if it all worked)")
     args = parser.parse_args(argv)
+    args.url = args.url or os.environ.get("TQ_DATABASE_URL")
+    if not args.url:
+        parser.error("give the server's URL, or set TQ_DATABASE_URL")
     try:
         text = dump_schema(args.url)
     except (SchemaDumpError, psycopg.Error) as exc:
-        print(f"schema: {exc}", file=sys.stderr)
+        print(f"schema: {redact_text(str(exc), [args.url])}", file=sys.stderr)
         return 1
     if args.output:
         _write_atomically(args.output, text)

@@ -1,0 +1,64 @@
+-- Roles and privileges (tq_pipelines/db/grant.py, `tq grant`). What each role may do in the
+-- database is migration 0010's (tq_grant_admin, tq_grant_worker, tq_secure_functions); these
+-- statements create the roles, which are cluster-wide, and call those procedures.
+-- {role} is a psycopg.sql.Identifier and {password} a psycopg.sql.Literal holding a SCRAM
+-- verifier made by libpq: role statements take no bound parameters, and the password itself
+-- never reaches the server (nor its log).
+
+-- name: privileges_migrated
+-- 0010 applied: the procedures below exist.
+SELECT to_regprocedure('tq_grant_worker(name)') IS NOT NULL AS migrated;
+
+-- name: role_attributes
+SELECT rolsuper, rolcreaterole, rolcreatedb, rolreplication, rolbypassrls, rolcanlogin
+FROM pg_roles
+WHERE rolname = %(role)s;
+
+-- name: create_login_role
+-- No attribute but LOGIN: NOSUPERUSER, NOCREATEDB, NOCREATEROLE, NOREPLICATION, NOBYPASSRLS
+-- are the defaults.
+CREATE ROLE {role} LOGIN;
+
+-- name: allow_login
+ALTER ROLE {role} LOGIN;
+
+-- name: set_role_password
+ALTER ROLE {role} PASSWORD {password};
+
+-- name: grant_admin
+CALL tq_grant_admin(%(role)s);
+
+-- name: secure_functions
+CALL tq_secure_functions();
+
+-- name: grant_worker
+CALL tq_grant_worker(%(role)s);
+
+-- name: worker_privileges
+-- What the role now holds in the schema: relations it may read, functions it may call, and
+-- anything else (none, after tq_grant_worker).
+SELECT
+  (SELECT count(*)
+   FROM pg_class c
+   WHERE c.relnamespace = current_schema()::REGNAMESPACE
+     AND c.relkind IN ('r', 'p', 'v', 'm')
+     AND has_table_privilege(%(role)s, c.oid, 'SELECT')) AS readable,
+  (SELECT count(*)
+   FROM pg_class c
+   WHERE c.relnamespace = current_schema()::REGNAMESPACE
+     AND c.relkind IN ('r', 'p', 'v', 'm')
+     AND has_table_privilege(%(role)s, c.oid, 'INSERT, UPDATE, DELETE, TRUNCATE, REFERENCES, TRIGGER'))
+    AS writable,
+  (SELECT count(*)
+   FROM pg_proc p
+   WHERE p.pronamespace = current_schema()::REGNAMESPACE
+     AND has_function_privilege(%(role)s, p.oid, 'EXECUTE')) AS callable;
+
+-- name: function_owners
+-- Who the queue's SECURITY DEFINER functions run as.
+SELECT DISTINCT r.rolname::TEXT AS owner, r.rolsuper AS superuser
+FROM pg_proc p
+JOIN pg_roles r ON r.oid = p.proowner
+WHERE p.pronamespace = current_schema()::REGNAMESPACE
+  AND p.prosecdef
+ORDER BY 1;
