@@ -13,7 +13,8 @@ SET check_function_bodies = false;
 --
 
 CREATE FUNCTION public.cancel_task(p_task_id integer) RETURNS boolean
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   UPDATE worker_tasks
@@ -71,7 +72,8 @@ COMMENT ON TABLE public.worker_tasks IS 'Central task queue for all worker roles
 --
 
 CREATE FUNCTION public.claim_task(p_role character varying, p_worker_id character varying) RETURNS public.worker_tasks
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_task worker_tasks;
@@ -94,8 +96,9 @@ COMMENT ON FUNCTION public.claim_task(p_role character varying, p_worker_id char
 --
 
 CREATE FUNCTION public.claim_tasks(p_role character varying, p_worker_id character varying, p_max_tasks integer, p_start boolean DEFAULT false) RETURNS SETOF public.worker_tasks
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
     SET plan_cache_mode TO 'force_generic_plan'
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_want INTEGER := p_max_tasks;
@@ -110,8 +113,8 @@ DECLARE
 BEGIN
   PERFORM tq_require_worker(p_worker_id);
   IF p_max_tasks IS NULL OR p_max_tasks NOT BETWEEN 1 AND 1000 THEN
-    RAISE EXCEPTION 'max_tasks must be between 1 and 1000, got %', coalesce(p_max_tasks::TEXT, 'NULL')
-      USING ERRCODE = '22023';
+    PERFORM tq_refuse('claim_tasks', 'max_tasks', p_max_tasks::TEXT, 'must be between 1 and 1000',
+      'A claim takes 1 to 1000 tasks at once.');
   END IF;
 
   -- The platforms with pending work of this role ('' for none): skip scans of the heads and of
@@ -350,7 +353,8 @@ COMMENT ON FUNCTION public.claim_tasks(p_role character varying, p_worker_id cha
 --
 
 CREATE FUNCTION public.claim_wait(p_role character varying) RETURNS double precision
-    LANGUAGE sql STABLE
+    LANGUAGE sql STABLE SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
   WITH due AS (
     SELECT DISTINCT h.platform
@@ -382,7 +386,8 @@ $$;
 --
 
 CREATE FUNCTION public.complete_task(p_task_id integer, p_worker_id character varying, p_result jsonb) RETURNS boolean
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   IF NOT complete_task_tx(p_task_id, p_worker_id, p_result) THEN
@@ -399,7 +404,8 @@ $$;
 --
 
 CREATE FUNCTION public.complete_task_tx(p_task_id integer, p_worker_id character varying, p_result jsonb) RETURNS boolean
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   UPDATE worker_tasks
@@ -421,7 +427,8 @@ $$;
 --
 
 CREATE FUNCTION public.complete_tasks(p_worker_id character varying, p_task_ids integer[], p_results jsonb[]) RETURNS integer[]
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   RETURN complete_tasks_timed(
@@ -437,7 +444,8 @@ $$;
 --
 
 CREATE FUNCTION public.complete_tasks_timed(p_worker_id character varying, p_task_ids integer[], p_results jsonb[], p_began_after double precision[], p_ended_after double precision[]) RETURNS integer[]
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_done INTEGER[];
@@ -447,7 +455,8 @@ BEGIN
      OR cardinality(p_task_ids) IS DISTINCT FROM cardinality(p_ended_after) THEN
     RAISE EXCEPTION 'complete_tasks_timed: % task ids, % results, % begin and % end times',
       cardinality(p_task_ids), cardinality(p_results), cardinality(p_began_after), cardinality(p_ended_after)
-      USING ERRCODE = '22023';
+      USING ERRCODE = '22023',
+            HINT = 'Give one result, one begin and one end time (or NULL) per task id, in the same order.';
   END IF;
 
   WITH done AS (
@@ -482,7 +491,8 @@ $$;
 --
 
 CREATE FUNCTION public.defer_task(p_task_id integer, p_worker_id character varying, p_delay interval) RETURNS boolean
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   UPDATE worker_tasks t
@@ -505,7 +515,8 @@ $$;
 --
 
 CREATE FUNCTION public.deregister_worker(p_worker_id character varying) RETURNS boolean
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   UPDATE worker_registry
@@ -518,16 +529,81 @@ $$;
 
 
 --
+-- Name: enqueue_demo_resyncs(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.enqueue_demo_resyncs() RETURNS SETOF integer
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+  INSERT INTO worker_tasks (role, dispensary_id, platform, scheduled_for)
+  SELECT
+    'product_resync',
+    s.id,
+    s.menu_type,
+    now() + (row_number() OVER (ORDER BY s.turn, s.menu_type, s.id) - 1) * INTERVAL '1 millisecond'
+  FROM (
+    SELECT d.id, d.menu_type, row_number() OVER (PARTITION BY d.menu_type ORDER BY d.id) AS turn
+    FROM dispensaries d
+    WHERE d.crawl_enabled
+      AND d.platform_dispensary_id IS NOT NULL
+      AND NOT EXISTS (
+        SELECT 1
+        FROM worker_tasks t
+        WHERE t.dispensary_id = d.id
+          AND t.role = 'product_resync'
+          AND t.status IN ('pending', 'claimed', 'running'))
+  ) s
+  ORDER BY s.turn, s.menu_type, s.id
+  RETURNING id;
+$$;
+
+
+--
+-- Name: enqueue_task(character varying, integer, character varying, integer, timestamp with time zone, integer, jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.enqueue_task(p_role character varying, p_dispensary_id integer DEFAULT NULL::integer, p_platform character varying DEFAULT NULL::character varying, p_priority integer DEFAULT 0, p_scheduled_for timestamp with time zone DEFAULT NULL::timestamp with time zone, p_max_retries integer DEFAULT 3, p_payload jsonb DEFAULT '{}'::jsonb) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+  v_id INTEGER;
+BEGIN
+  p_priority := coalesce(p_priority, 0);
+  p_max_retries := coalesce(p_max_retries, 3);
+  p_payload := coalesce(p_payload, '{}');
+  PERFORM tq_check_task('enqueue_task', p_role, p_dispensary_id, p_platform, p_priority, p_scheduled_for,
+                        p_max_retries, p_payload);
+  INSERT INTO worker_tasks (role, dispensary_id, platform, priority, scheduled_for, max_retries, payload)
+  VALUES (p_role, p_dispensary_id, p_platform, p_priority, p_scheduled_for, p_max_retries, p_payload)
+  RETURNING id INTO v_id;
+  RETURN v_id;
+END;
+$$;
+
+
+--
+-- Name: FUNCTION enqueue_task(p_role character varying, p_dispensary_id integer, p_platform character varying, p_priority integer, p_scheduled_for timestamp with time zone, p_max_retries integer, p_payload jsonb); Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON FUNCTION public.enqueue_task(p_role character varying, p_dispensary_id integer, p_platform character varying, p_priority integer, p_scheduled_for timestamp with time zone, p_max_retries integer, p_payload jsonb) IS 'Add one task after checking every argument; returns its id';
+
+
+--
 -- Name: enqueue_task_once(character varying, integer, character varying, integer, timestamp with time zone, jsonb); Type: FUNCTION; Schema: public; Owner: -
 --
 
 CREATE FUNCTION public.enqueue_task_once(p_role character varying, p_dispensary_id integer DEFAULT NULL::integer, p_platform character varying DEFAULT NULL::character varying, p_priority integer DEFAULT 0, p_scheduled_for timestamp with time zone DEFAULT NULL::timestamp with time zone, p_payload jsonb DEFAULT '{}'::jsonb) RETURNS integer
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_id INTEGER;
 BEGIN
   p_payload := coalesce(p_payload, '{}');
+  PERFORM tq_check_task('enqueue_task_once', p_role, p_dispensary_id, p_platform, coalesce(p_priority, 0),
+                        p_scheduled_for, NULL, p_payload);
   PERFORM pg_advisory_xact_lock(
     hashtext('tq:enqueue_once:' || p_role || ':' || coalesce(p_dispensary_id::TEXT, '-')));
   IF EXISTS (
@@ -553,14 +629,24 @@ $$;
 --
 
 CREATE FUNCTION public.expire_leases(p_intervals double precision DEFAULT 2.5, p_default_heartbeat_seconds double precision DEFAULT 30, p_min_seconds double precision DEFAULT 10) RETURNS TABLE(recovered integer, failed integer)
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
-  IF p_intervals IS NULL OR p_intervals < 1.5 OR p_min_seconds IS NULL OR p_min_seconds < 1
-     OR p_default_heartbeat_seconds IS NULL OR p_default_heartbeat_seconds <= 0 THEN
-    RAISE EXCEPTION 'expire_leases needs at least 1.5 intervals, 1 s and a positive default, got %, %, %',
-      p_intervals, p_min_seconds, p_default_heartbeat_seconds
-      USING ERRCODE = '22023';
+  -- NOT BETWEEN refuses NaN too (PostgreSQL sorts it above every number).
+  IF p_intervals IS NULL OR p_intervals NOT BETWEEN 1.5 AND 100 THEN
+    PERFORM tq_refuse('expire_leases', 'intervals', p_intervals::TEXT, 'must be between 1.5 and 100',
+      'A lease ends after this many of its worker''s heartbeat intervals of silence (the default, 2.5).');
+  END IF;
+  IF p_default_heartbeat_seconds IS NULL
+     OR NOT (p_default_heartbeat_seconds > 0 AND p_default_heartbeat_seconds <= 3600) THEN
+    PERFORM tq_refuse('expire_leases', 'default_heartbeat_seconds', p_default_heartbeat_seconds::TEXT,
+      'must be above 0 and at most 3600',
+      'The heartbeat interval of workers that registered none, in seconds (the default, 30).');
+  END IF;
+  IF p_min_seconds IS NULL OR p_min_seconds NOT BETWEEN 1 AND 86400 THEN
+    PERFORM tq_refuse('expire_leases', 'min_seconds', p_min_seconds::TEXT, 'must be between 1 and 86400',
+      'No lease ends after less silence than this, in seconds (the default, 10).');
   END IF;
   WITH lease AS (
     SELECT
@@ -608,7 +694,8 @@ $$;
 --
 
 CREATE FUNCTION public.fail_task(p_task_id integer, p_worker_id character varying, p_error text, p_retryable boolean DEFAULT true, p_retry_after interval DEFAULT NULL::interval) RETURNS text
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_again BOOLEAN;
@@ -662,21 +749,41 @@ $$;
 --
 
 CREATE FUNCTION public.generate_resync_tasks(p_batches_per_day integer DEFAULT 6, p_date date DEFAULT ((now() AT TIME ZONE 'UTC'::text))::date, p_platforms text[] DEFAULT '{dutchie}'::text[]) RETURNS integer
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_created INTEGER;
+  v_window RECORD;
+  v_unknown TEXT;
 BEGIN
   IF p_batches_per_day IS NULL OR p_batches_per_day NOT BETWEEN 1 AND 24 THEN
-    RAISE EXCEPTION 'batches_per_day must be between 1 and 24, got %',
-      coalesce(p_batches_per_day::TEXT, 'NULL')
-      USING ERRCODE = '22023';
+    PERFORM tq_refuse('generate_resync_tasks', 'batches_per_day', p_batches_per_day::TEXT,
+      'must be between 1 and 24',
+      'The UTC day''s tasks are spread over 1 to 24 equal batches (the default, 6: one every 4 hours).');
   END IF;
-  IF p_date IS NULL THEN
-    RAISE EXCEPTION 'date must not be NULL' USING ERRCODE = '22023';
+  SELECT * INTO v_window FROM tq_resync_window();
+  IF p_date IS NULL OR p_date NOT BETWEEN v_window.first_day AND v_window.last_day THEN
+    PERFORM tq_refuse('generate_resync_tasks', 'date', p_date::TEXT,
+      format('must be a UTC day from %s to %s', v_window.first_day, v_window.last_day),
+      format('Give a day at most %s days back (a backfill) and %s days ahead: an older day''s tasks '
+             'would all be due at once, ahead of every other task.',
+             (now() AT TIME ZONE 'UTC')::DATE - v_window.first_day,
+             v_window.last_day - (now() AT TIME ZONE 'UTC')::DATE));
   END IF;
-  IF p_platforms IS NULL OR cardinality(p_platforms) = 0 THEN
-    RAISE EXCEPTION 'platforms must name at least one platform' USING ERRCODE = '22023';
+  IF p_platforms IS NULL OR cardinality(p_platforms) = 0
+     OR EXISTS (SELECT 1 FROM unnest(p_platforms) AS x (platform) WHERE coalesce(btrim(x.platform), '') = '') THEN
+    PERFORM tq_refuse('generate_resync_tasks', 'platforms', coalesce(quote_literal(p_platforms::TEXT), 'NULL'),
+      'must name at least one platform, and no empty name', tq_known_platforms_hint());
+  END IF;
+  -- A platform that no store and no limits name is most likely misspelt: 0 tasks would hide it.
+  SELECT string_agg(quote_literal(u.platform), ', ' ORDER BY u.platform) INTO v_unknown
+  FROM (SELECT DISTINCT x.platform FROM unnest(p_platforms) AS x (platform)) u
+  WHERE NOT EXISTS (SELECT 1 FROM tq_platforms l WHERE l.platform = u.platform)
+    AND NOT EXISTS (SELECT 1 FROM dispensaries d WHERE d.menu_type = u.platform);
+  IF v_unknown IS NOT NULL THEN
+    PERFORM tq_refuse('generate_resync_tasks', 'platforms', quote_literal(p_platforms::TEXT),
+      format('must name only known platforms (unknown: %s)', v_unknown), tq_known_platforms_hint());
   END IF;
 
   WITH eligible AS (
@@ -738,7 +845,8 @@ COMMENT ON FUNCTION public.generate_resync_tasks(p_batches_per_day integer, p_da
 --
 
 CREATE FUNCTION public.heartbeat_tasks(p_worker_id character varying, p_task_ids integer[]) RETURNS integer[]
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_owned INTEGER[];
@@ -780,11 +888,38 @@ $$;
 
 
 --
+-- Name: mark_store_gone(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.mark_store_gone(p_dispensary_id integer, p_platform character varying) RETURNS void
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM dispensaries d WHERE d.id = p_dispensary_id) THEN
+    RAISE EXCEPTION 'mark_store_gone: dispensary_id must be a store of dispensaries, got %',
+      coalesce(p_dispensary_id::TEXT, 'NULL')
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give the id of the store the platform no longer has.';
+  END IF;
+  WITH state AS (
+    INSERT INTO store_crawl_state (dispensary_id, platform, gone_at)
+    VALUES (p_dispensary_id, p_platform, now())
+    ON CONFLICT (dispensary_id) DO UPDATE SET gone_at = now()
+  )
+  UPDATE dispensaries SET crawl_enabled = false
+  WHERE id = p_dispensary_id;
+END;
+$$;
+
+
+--
 -- Name: platform_answered(character varying, integer); Type: FUNCTION; Schema: public; Owner: -
 --
 
 CREATE FUNCTION public.platform_answered(p_platform character varying, p_task_id integer) RETURNS boolean
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   UPDATE tq_platforms p
@@ -807,7 +942,8 @@ $$;
 --
 
 CREATE FUNCTION public.platform_error(p_platform character varying, p_task_id integer, p_error text, p_retry_after interval DEFAULT NULL::interval) RETURNS TABLE(paused boolean, wait_seconds double precision)
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   l tq_platforms;
@@ -874,7 +1010,8 @@ $$;
 --
 
 CREATE FUNCTION public.platform_release(p_task_id integer, p_worker_id character varying) RETURNS boolean
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   UPDATE worker_tasks t
@@ -893,7 +1030,8 @@ $$;
 --
 
 CREATE FUNCTION public.platform_request(p_task_id integer, p_worker_id character varying, p_first boolean) RETURNS TABLE(decision text, wait_seconds double precision)
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_platform VARCHAR;
@@ -956,11 +1094,235 @@ $$;
 
 
 --
+-- Name: prune_completion_log(date, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.prune_completion_log(p_before date, p_limit integer) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+  v_deleted INTEGER;
+BEGIN
+  PERFORM tq_check_prune('prune_completion_log', p_before::TIMESTAMP AT TIME ZONE 'UTC', p_limit);
+  WITH doomed AS (
+    SELECT l.id
+    FROM task_completion_log l
+    WHERE l.date < p_before
+    ORDER BY l.id
+    LIMIT p_limit
+    FOR UPDATE SKIP LOCKED
+  ),
+  gone AS (
+    DELETE FROM task_completion_log l
+    USING doomed d
+    WHERE l.id = d.id
+    RETURNING l.id
+  )
+  SELECT count(*)::INTEGER INTO v_deleted FROM gone;
+  RETURN v_deleted;
+END;
+$$;
+
+
+--
+-- Name: prune_product_history(bigint, timestamp with time zone, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.prune_product_history(p_after_id bigint, p_before timestamp with time zone, p_limit integer) RETURNS TABLE(deleted integer, last_id bigint, reached_young boolean)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+BEGIN
+  PERFORM tq_check_prune('prune_product_history', p_before, p_limit);
+  RETURN QUERY
+  WITH page AS (
+    SELECT h.id, h.observed_at
+    FROM product_history h
+    WHERE h.id > coalesce(p_after_id, 0)
+    ORDER BY h.id
+    LIMIT p_limit
+  ),
+  doomed AS (
+    SELECT h.id
+    FROM product_history h
+    WHERE h.id IN (SELECT p.id FROM page p)
+      AND h.observed_at < p_before
+    ORDER BY h.id
+    FOR UPDATE SKIP LOCKED
+  ),
+  gone AS (
+    DELETE FROM product_history h
+    USING doomed d
+    WHERE h.id = d.id
+    RETURNING h.id
+  )
+  SELECT
+    (SELECT count(*) FROM gone)::INTEGER,
+    (SELECT max(p.id) FROM page p),
+    coalesce((SELECT bool_or(p.observed_at >= p_before + INTERVAL '1 hour') FROM page p), false);
+END;
+$$;
+
+
+--
+-- Name: prune_tasks(timestamp with time zone, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.prune_tasks(p_before timestamp with time zone, p_limit integer) RETURNS TABLE(deleted integer, hours_rolled_up integer)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+  v_ids INTEGER[];
+  v_hour TIMESTAMP;
+BEGIN
+  IF p_before IS NULL OR p_before > now() - INTERVAL '1 day'
+     OR date_trunc('hour', p_before AT TIME ZONE 'UTC') <> p_before AT TIME ZONE 'UTC' THEN
+    RAISE EXCEPTION 'prune_tasks: before must be a whole UTC hour at least a day ago, got %',
+      coalesce(p_before::TEXT, 'NULL')
+      USING ERRCODE = '22023',
+            HINT = 'e.g. date_trunc(''hour'', now() - interval ''30 days''), in UTC';
+  END IF;
+  IF p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 100000 THEN
+    RAISE EXCEPTION 'prune_tasks: the batch size must be from 1 to 100000, got %',
+      coalesce(p_limit::TEXT, 'NULL')
+      USING ERRCODE = '22023',
+            HINT = 'a few thousand rows keep each transaction short';
+  END IF;
+
+  -- One batch at a time: a batch that rolls up an hour must not see another's deletes of it
+  -- half-way. The watermark moves in the same transaction as the first delete under it, and
+  -- never back.
+  PERFORM 1 FROM tq_retention FOR UPDATE;
+  UPDATE tq_retention
+  SET tasks_pruned_before = p_before,
+      updated_at = now()
+  WHERE tasks_pruned_before < p_before;
+
+  -- Oldest first, through the two partial indexes on completed_at; locked in id order, rows
+  -- held elsewhere skipped, and each row's status and times checked again once locked.
+  SELECT array_agg(t.id ORDER BY t.id) INTO v_ids
+  FROM (
+    SELECT t.id
+    FROM worker_tasks t
+    WHERE t.id IN (
+        SELECT c.id
+        FROM (
+          (SELECT f.id, f.completed_at
+           FROM worker_tasks f
+           WHERE f.status IN ('completed', 'failed')
+             AND f.completed_at < p_before
+             AND f.created_at < p_before
+           ORDER BY f.completed_at
+           LIMIT p_limit)
+          UNION ALL
+          (SELECT x.id, x.completed_at
+           FROM worker_tasks x
+           WHERE x.status = 'cancelled'
+             AND x.completed_at < p_before
+             AND x.created_at < p_before
+           ORDER BY x.completed_at
+           LIMIT p_limit)
+        ) c
+        ORDER BY c.completed_at, c.id
+        LIMIT p_limit
+      )
+      AND t.status IN ('completed', 'failed', 'cancelled')
+      AND t.completed_at < p_before
+      AND t.created_at < p_before
+    ORDER BY t.id
+    FOR UPDATE SKIP LOCKED
+  ) t;
+
+  deleted := 0;
+  hours_rolled_up := 0;
+  IF v_ids IS NULL THEN
+    RETURN NEXT;
+    RETURN;
+  END IF;
+
+  -- Hours whose rollup a delete would change: made now unless a row made after the hour ended
+  -- is there. Once a batch made it, it is such a row, so each hour is rolled up once.
+  FOR v_hour IN
+    SELECT DISTINCT h.start
+    FROM worker_tasks t
+    CROSS JOIN LATERAL (
+      VALUES (date_trunc('hour', t.created_at AT TIME ZONE 'UTC')),
+             (date_trunc('hour', t.completed_at AT TIME ZONE 'UTC'))
+    ) h (start)
+    WHERE t.id = ANY (v_ids)
+      AND NOT EXISTS (
+        SELECT 1
+        FROM task_completion_log l
+        WHERE l.role = t.role
+          AND l.date = h.start::DATE
+          AND l.hour = extract(HOUR FROM h.start)::INTEGER
+          AND (l.updated_at AT TIME ZONE 'UTC') >= h.start + INTERVAL '1 hour'
+      )
+    ORDER BY h.start
+  LOOP
+    PERFORM tq_rollup_hour(v_hour::DATE, extract(HOUR FROM v_hour)::INTEGER, false);
+    hours_rolled_up := hours_rolled_up + 1;
+  END LOOP;
+
+  DELETE FROM worker_tasks t WHERE t.id = ANY (v_ids);
+  GET DIAGNOSTICS deleted = ROW_COUNT;
+  RETURN NEXT;
+END;
+$$;
+
+
+--
+-- Name: prune_workers(timestamp with time zone, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.prune_workers(p_before timestamp with time zone, p_limit integer) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+  v_deleted INTEGER;
+BEGIN
+  PERFORM tq_check_prune('prune_workers', p_before, p_limit);
+  WITH busy AS (
+    -- One branch per partial index over active tasks.
+    SELECT t.worker_id
+    FROM worker_tasks t
+    WHERE t.status IN ('claimed', 'running') AND t.dispensary_id IS NOT NULL
+    UNION
+    SELECT t.worker_id
+    FROM worker_tasks t
+    WHERE t.status IN ('claimed', 'running') AND t.dispensary_id IS NULL
+  ),
+  doomed AS (
+    SELECT w.id
+    FROM worker_registry w
+    WHERE coalesce(w.last_heartbeat_at, w.started_at) < p_before
+      AND NOT EXISTS (SELECT 1 FROM busy b WHERE b.worker_id = w.worker_id)
+    ORDER BY w.id
+    LIMIT p_limit
+    FOR UPDATE SKIP LOCKED
+  ),
+  gone AS (
+    DELETE FROM worker_registry w
+    USING doomed d
+    WHERE w.id = d.id
+    RETURNING w.id
+  )
+  SELECT count(*)::INTEGER INTO v_deleted FROM gone;
+  RETURN v_deleted;
+END;
+$$;
+
+
+--
 -- Name: recover_stale_tasks(integer); Type: FUNCTION; Schema: public; Owner: -
 --
 
 CREATE FUNCTION public.recover_stale_tasks(stale_threshold_minutes integer DEFAULT 10) RETURNS integer
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   RETURN (SELECT r.recovered FROM recover_stale_tasks_report(stale_threshold_minutes) r);
@@ -980,15 +1342,17 @@ COMMENT ON FUNCTION public.recover_stale_tasks(stale_threshold_minutes integer) 
 --
 
 CREATE FUNCTION public.recover_stale_tasks_report(stale_threshold_minutes integer DEFAULT 10) RETURNS TABLE(recovered integer, failed integer, workers_offline integer)
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_cutoff TIMESTAMPTZ;
 BEGIN
-  IF stale_threshold_minutes IS NULL OR stale_threshold_minutes < 1 THEN
-    RAISE EXCEPTION 'stale_threshold_minutes must be at least 1, got %',
-      coalesce(stale_threshold_minutes::TEXT, 'NULL')
-      USING ERRCODE = '22023';
+  IF stale_threshold_minutes IS NULL OR stale_threshold_minutes NOT BETWEEN 1 AND 10080 THEN
+    PERFORM tq_refuse('recover_stale_tasks', 'stale_threshold_minutes', stale_threshold_minutes::TEXT,
+      'must be between 1 and 10080',
+      'The minutes of silence after which a worker''s tasks go back to the queue: 1 to 10080 (a week); '
+      'the default is 10.');
   END IF;
   v_cutoff := now() - make_interval(mins => stale_threshold_minutes);
 
@@ -1036,7 +1400,8 @@ $$;
 --
 
 CREATE FUNCTION public.refresh_store_analytics() RETURNS TABLE(stores integer, removed integer)
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   -- Two refreshes at once would only do the same work twice; the second waits for the first.
@@ -1103,57 +1468,22 @@ $$;
 --
 
 CREATE FUNCTION public.refresh_task_completion_log(p_date date, p_hour integer) RETURNS integer
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
-DECLARE
-  v_start TIMESTAMPTZ;
-  v_rows INTEGER;
 BEGIN
-  IF p_date IS NULL OR p_hour IS NULL OR p_hour NOT BETWEEN 0 AND 23 THEN
-    RAISE EXCEPTION 'need a date and an hour from 0 to 23, got % %',
-      coalesce(p_date::TEXT, 'NULL'), coalesce(p_hour::TEXT, 'NULL')
-      USING ERRCODE = '22023';
+  IF p_date IS NULL THEN
+    RAISE EXCEPTION 'refresh_task_completion_log: the date must not be NULL'
+      USING ERRCODE = '22023',
+            HINT = 'pass the UTC day of the hour to recompute, e.g. 2026-06-01';
   END IF;
-  v_start := (p_date::TIMESTAMP AT TIME ZONE 'UTC') + make_interval(hours => p_hour);
-
-  INSERT INTO task_completion_log AS l (
-    role, date, hour, tasks_created, tasks_completed, tasks_failed,
-    avg_duration_sec, min_duration_sec, max_duration_sec, updated_at
-  )
-  SELECT
-    r.role, p_date, p_hour,
-    coalesce(c.created, 0), coalesce(f.completed, 0), coalesce(f.failed, 0),
-    f.avg_sec, f.min_sec, f.max_sec, now()
-  FROM worker_task_roles r
-  LEFT JOIN (
-    SELECT role, count(*) AS created
-    FROM worker_tasks
-    WHERE created_at >= v_start AND created_at < v_start + INTERVAL '1 hour'
-    GROUP BY role
-  ) c ON c.role = r.role
-  LEFT JOIN (
-    SELECT
-      role,
-      count(*) FILTER (WHERE status = 'completed') AS completed,
-      count(*) FILTER (WHERE status = 'failed') AS failed,
-      round(avg(extract(EPOCH FROM completed_at - started_at)) FILTER (WHERE status = 'completed'), 2) AS avg_sec,
-      round(min(extract(EPOCH FROM completed_at - started_at)) FILTER (WHERE status = 'completed'), 2) AS min_sec,
-      round(max(extract(EPOCH FROM completed_at - started_at)) FILTER (WHERE status = 'completed'), 2) AS max_sec
-    FROM worker_tasks
-    WHERE status IN ('completed', 'failed')
-      AND completed_at >= v_start AND completed_at < v_start + INTERVAL '1 hour'
-    GROUP BY role
-  ) f ON f.role = r.role
-  ON CONFLICT (role, date, hour) DO UPDATE
-  SET tasks_created = excluded.tasks_created,
-      tasks_completed = excluded.tasks_completed,
-      tasks_failed = excluded.tasks_failed,
-      avg_duration_sec = excluded.avg_duration_sec,
-      min_duration_sec = excluded.min_duration_sec,
-      max_duration_sec = excluded.max_duration_sec,
-      updated_at = excluded.updated_at;
-  GET DIAGNOSTICS v_rows = ROW_COUNT;
-  RETURN v_rows;
+  IF p_hour IS NULL OR p_hour NOT BETWEEN 0 AND 23 THEN
+    RAISE EXCEPTION 'refresh_task_completion_log: the hour must be from 0 to 23, got %',
+      coalesce(p_hour::TEXT, 'NULL')
+      USING ERRCODE = '22023',
+            HINT = 'hours are UTC hours of the day: 0 is 00:00-01:00 UTC, 23 is 23:00-24:00 UTC';
+  END IF;
+  RETURN tq_rollup_hour(p_date, p_hour, true);
 END;
 $$;
 
@@ -1163,11 +1493,20 @@ $$;
 --
 
 CREATE FUNCTION public.register_worker(p_worker_id character varying, p_role character varying, p_pod_name character varying DEFAULT NULL::character varying, p_hostname character varying DEFAULT NULL::character varying) RETURNS void
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   PERFORM tq_require_worker(p_worker_id);
   PERFORM tq_require_role(p_role);
+  IF length(p_pod_name) > 100 THEN
+    PERFORM tq_refuse('register_worker', 'pod_name', tq_shown(p_pod_name), 'must be at most 100 characters',
+      'The pod the worker runs in, up to 100 characters (worker_registry.pod_name), or NULL.');
+  END IF;
+  IF length(p_hostname) > 100 THEN
+    PERFORM tq_refuse('register_worker', 'hostname', tq_shown(p_hostname), 'must be at most 100 characters',
+      'The host the worker runs on, up to 100 characters (worker_registry.hostname), or NULL.');
+  END IF;
   INSERT INTO worker_registry AS w (worker_id, role, pod_name, hostname, started_at, last_heartbeat_at, status)
   VALUES (p_worker_id, p_role, p_pod_name, p_hostname, now(), now(), 'active')
   ON CONFLICT (worker_id) DO UPDATE
@@ -1186,13 +1525,14 @@ $$;
 --
 
 CREATE FUNCTION public.register_worker(p_worker_id character varying, p_role character varying, p_pod_name character varying, p_hostname character varying, p_heartbeat_seconds double precision) RETURNS void
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   IF p_heartbeat_seconds IS NULL OR p_heartbeat_seconds <= 0 OR p_heartbeat_seconds > 3600 THEN
-    RAISE EXCEPTION 'heartbeat_seconds must be above 0 and at most 3600, got %',
-      coalesce(p_heartbeat_seconds::TEXT, 'NULL')
-      USING ERRCODE = '22023';
+    PERFORM tq_refuse('register_worker', 'heartbeat_seconds', p_heartbeat_seconds::TEXT,
+      'must be above 0 and at most 3600',
+      'The seconds between the worker''s heartbeats; its leases end after a few of them of silence.');
   END IF;
   PERFORM register_worker(p_worker_id, p_role, p_pod_name, p_hostname);
   UPDATE worker_registry SET heartbeat_seconds = p_heartbeat_seconds WHERE worker_id = p_worker_id;
@@ -1205,7 +1545,8 @@ $$;
 --
 
 CREATE FUNCTION public.repair_platform_counters() RETURNS TABLE(platform character varying, counted integer, in_flight integer, probe_cleared boolean)
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 #variable_conflict use_column
 BEGIN
@@ -1253,11 +1594,44 @@ $$;
 
 
 --
+-- Name: save_entry_point(integer, character varying, text, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.save_entry_point(p_dispensary_id integer, p_platform character varying, p_platform_id text, p_menu_url text) RETURNS void
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM dispensaries d WHERE d.id = p_dispensary_id) THEN
+    RAISE EXCEPTION 'save_entry_point: dispensary_id must be a store of dispensaries, got %',
+      coalesce(p_dispensary_id::TEXT, 'NULL')
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give the id of the store whose entry point was resolved.';
+  END IF;
+  WITH old AS (
+    SELECT c.gone_at FROM store_crawl_state c WHERE c.dispensary_id = p_dispensary_id
+  ),
+  state AS (
+    INSERT INTO store_crawl_state (dispensary_id, platform, menu_url, resolved_at)
+    VALUES (p_dispensary_id, p_platform, p_menu_url, now())
+    ON CONFLICT (dispensary_id) DO UPDATE
+    SET menu_url = excluded.menu_url, resolved_at = now(), gone_at = NULL
+  )
+  UPDATE dispensaries
+  SET platform_dispensary_id = p_platform_id,
+      crawl_enabled = crawl_enabled OR EXISTS (SELECT 1 FROM old WHERE old.gone_at IS NOT NULL)
+  WHERE id = p_dispensary_id;
+END;
+$$;
+
+
+--
 -- Name: start_task(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
 --
 
 CREATE FUNCTION public.start_task(p_task_id integer, p_worker_id character varying) RETURNS boolean
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   UPDATE worker_tasks
@@ -1277,7 +1651,8 @@ $$;
 --
 
 CREATE FUNCTION public.start_tasks(p_worker_id character varying, p_task_ids integer[]) RETURNS integer[]
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_started INTEGER[];
@@ -1303,10 +1678,15 @@ $$;
 --
 
 CREATE FUNCTION public.store_menu(p_dispensary_id integer, p_menu_hash text, p_products jsonb) RETURNS TABLE(unchanged boolean, seen integer, new integer, changed integer, gone integer)
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_hash TEXT;
+  v_bad RECORD;
+  v_hint TEXT := 'products: a JSON array of {"id", "name", "category": text, "brand": text or null, '
+    '"price": a number from 0 to 99999999.99, "thc", "cbd": null or a number from 0 to 100, '
+    '"in_stock": true or false}, each id once (tq_pipelines.crawl.menu.normalise_menu makes them).';
 BEGIN
   INSERT INTO store_crawl_state (dispensary_id, platform)
   SELECT d.id, d.menu_type FROM dispensaries d WHERE d.id = p_dispensary_id
@@ -1317,11 +1697,46 @@ BEGIN
   WHERE c.dispensary_id = p_dispensary_id
   FOR UPDATE;
   IF NOT FOUND THEN
-    RAISE EXCEPTION 'no store with id %', p_dispensary_id USING ERRCODE = '22023';
+    RAISE EXCEPTION 'store_menu: dispensary_id must be the id of a store: no store with id %',
+      coalesce(p_dispensary_id::TEXT, 'NULL')
+      USING ERRCODE = 'invalid_parameter_value', HINT = 'Give a dispensaries.id.';
   END IF;
 
   IF p_menu_hash IS NULL OR p_menu_hash = '' THEN
-    RAISE EXCEPTION 'store_menu needs the menu''s hash' USING ERRCODE = '22023';
+    PERFORM tq_refuse('store_menu', 'menu_hash', tq_shown(p_menu_hash), 'must not be empty',
+      'The hash of the normalised menu (tq_pipelines.crawl.menu.menu_hash): an unchanged menu is skipped by it.');
+  END IF;
+  IF p_products IS NULL OR jsonb_typeof(p_products) <> 'array' THEN
+    PERFORM tq_refuse('store_menu', 'products', tq_shown(p_products::TEXT), 'must be a JSON array', v_hint);
+  END IF;
+  -- The first product the tables would refuse (NOT NULL, numeric(10, 2), a price below 0), by
+  -- its place and id, before anything is written.
+  SELECT x.n - 1 AS n, x.p ->> 'id' AS id, p.problem
+  INTO v_bad
+  FROM jsonb_array_elements(p_products) WITH ORDINALITY AS x (p, n)
+  CROSS JOIN LATERAL (SELECT CASE
+    WHEN jsonb_typeof(x.p) <> 'object' THEN 'is not a JSON object'
+    WHEN NOT tq_json_text(x.p -> 'id') THEN 'has no id'
+    WHEN NOT tq_json_text(x.p -> 'name') THEN 'has no name'
+    WHEN NOT tq_json_text(x.p -> 'category') THEN 'has no category'
+    WHEN jsonb_typeof(x.p -> 'brand') <> 'null' AND NOT tq_json_text(x.p -> 'brand')
+      THEN 'has a brand that is not text'
+    WHEN NOT tq_json_number_between(x.p -> 'price', 0, 99999999.99)
+      THEN format('has price %s', coalesce(x.p ->> 'price', 'missing'))
+    WHEN jsonb_typeof(x.p -> 'thc') <> 'null' AND NOT tq_json_number_between(x.p -> 'thc', 0, 100)
+      THEN format('has thc %s', x.p ->> 'thc')
+    WHEN jsonb_typeof(x.p -> 'cbd') <> 'null' AND NOT tq_json_number_between(x.p -> 'cbd', 0, 100)
+      THEN format('has cbd %s', x.p ->> 'cbd')
+    WHEN jsonb_typeof(x.p -> 'in_stock') IS DISTINCT FROM 'boolean'
+      THEN format('has in_stock %s', coalesce(x.p ->> 'in_stock', 'missing'))
+  END) AS p (problem)
+  WHERE p.problem IS NOT NULL
+  ORDER BY x.n
+  LIMIT 1;
+  IF FOUND THEN
+    RAISE EXCEPTION 'store_menu: every product needs an id, a name, a category, a price and in_stock: '
+      'product #% (id %) %', v_bad.n, tq_shown(v_bad.id), v_bad.problem
+      USING ERRCODE = 'invalid_parameter_value', HINT = v_hint;
   END IF;
   IF EXISTS (
     SELECT 1
@@ -1329,7 +1744,11 @@ BEGIN
     GROUP BY x.id
     HAVING x.id IS NULL OR count(*) > 1
   ) THEN
-    RAISE EXCEPTION 'every product needs an id, and each id once' USING ERRCODE = '22023';
+    RAISE EXCEPTION 'store_menu: every product needs an id, and each id once: %', (
+        SELECT string_agg(tq_shown(x.id), ', ' ORDER BY x.id)
+        FROM (SELECT y.id FROM jsonb_to_recordset(p_products) AS y (id TEXT) GROUP BY y.id HAVING count(*) > 1) x
+      )
+      USING ERRCODE = 'invalid_parameter_value', HINT = v_hint;
   END IF;
 
   seen := jsonb_array_length(p_products);
@@ -1426,24 +1845,75 @@ $$;
 --
 
 CREATE FUNCTION public.sync_platform_limits(p_limits jsonb) RETURNS integer
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_changed INTEGER;
   v_bad TEXT;
+  v_field RECORD;
+  v_hint TEXT := 'Each platform: {"platform": a name of 1 to 50 characters, "max_in_flight": 1 to 10000, '
+    '"requests_per_second": 0.001 to 10000, "burst": 1 to 10000 (default max_in_flight), '
+    '"pause_after_errors": 1 to 1000 (default 5), "pause_seconds": 0.1 to 86400 (default 5), '
+    '"max_pause_seconds": pause_seconds to 86400 (default 600)}; counts are whole numbers.';
 BEGIN
-  IF p_limits IS NULL OR jsonb_typeof(p_limits) <> 'array' THEN
-    RAISE EXCEPTION 'platform limits must be a JSON array of objects' USING ERRCODE = '22023';
+  IF p_limits IS NULL OR jsonb_typeof(p_limits) <> 'array'
+     OR EXISTS (SELECT 1 FROM jsonb_array_elements(p_limits) AS x (e) WHERE jsonb_typeof(x.e) <> 'object') THEN
+    PERFORM tq_refuse('sync_platform_limits', 'limits', tq_shown(p_limits::TEXT),
+      'must be a JSON array of objects, one per platform', v_hint);
   END IF;
   SELECT string_agg(coalesce(quote_literal(b.platform), 'NULL'), ', ') INTO v_bad
   FROM (
     SELECT x.platform
     FROM jsonb_to_recordset(p_limits) AS x (platform TEXT)
     GROUP BY x.platform
-    HAVING x.platform IS NULL OR x.platform = '' OR count(*) > 1
+    HAVING x.platform IS NULL OR btrim(x.platform) = '' OR length(x.platform) > 50 OR count(*) > 1
   ) b;
   IF v_bad IS NOT NULL THEN
-    RAISE EXCEPTION 'each platform needs a non-empty name, once: %', v_bad USING ERRCODE = '22023';
+    RAISE EXCEPTION 'sync_platform_limits: each platform needs a non-empty name, once (and of at most 50 '
+      'characters), got %', v_bad
+      USING ERRCODE = 'invalid_parameter_value', HINT = v_hint;
+  END IF;
+  -- Every limit in range before any is written: a raw check violation named only the constraint.
+  SELECT x.e ->> 'platform' AS platform, f.name, f.rule, f.value
+  INTO v_field
+  FROM jsonb_array_elements(p_limits) WITH ORDINALITY AS x (e, n)
+  CROSS JOIN LATERAL (VALUES
+    (1, 'max_in_flight', 'must be a whole number from 1 to 10000', x.e -> 'max_in_flight',
+        NOT tq_json_number_between(x.e -> 'max_in_flight', 1, 10000, true)),
+    (2, 'requests_per_second', 'must be a number from 0.001 to 10000', x.e -> 'requests_per_second',
+        NOT tq_json_number_between(x.e -> 'requests_per_second', 0.001, 10000)),
+    (3, 'burst', 'must be null or a whole number from 1 to 10000', x.e -> 'burst',
+        jsonb_typeof(x.e -> 'burst') <> 'null' AND NOT tq_json_number_between(x.e -> 'burst', 1, 10000, true)),
+    (4, 'pause_after_errors', 'must be null or a whole number from 1 to 1000', x.e -> 'pause_after_errors',
+        jsonb_typeof(x.e -> 'pause_after_errors') <> 'null'
+        AND NOT tq_json_number_between(x.e -> 'pause_after_errors', 1, 1000, true)),
+    (5, 'pause_seconds', 'must be null or a number from 0.1 to 86400', x.e -> 'pause_seconds',
+        jsonb_typeof(x.e -> 'pause_seconds') <> 'null'
+        AND NOT tq_json_number_between(x.e -> 'pause_seconds', 0.1, 86400)),
+    (6, 'max_pause_seconds', 'must be null or a number from 0.1 to 86400', x.e -> 'max_pause_seconds',
+        jsonb_typeof(x.e -> 'max_pause_seconds') <> 'null'
+        AND NOT tq_json_number_between(x.e -> 'max_pause_seconds', 0.1, 86400))
+  ) AS f (k, name, rule, value, bad)
+  WHERE f.bad
+  ORDER BY x.n, f.k
+  LIMIT 1;
+  IF FOUND THEN
+    PERFORM tq_refuse('sync_platform_limits',
+      format('%s of platform %s', v_field.name, quote_literal(v_field.platform)),
+      coalesce(v_field.value::TEXT, 'missing'), v_field.rule, v_hint);
+  END IF;
+  SELECT x.e ->> 'platform' AS platform, x.e -> 'pause_seconds' AS pause, x.e -> 'max_pause_seconds' AS max_pause
+  INTO v_field
+  FROM jsonb_array_elements(p_limits) WITH ORDINALITY AS x (e, n)
+  WHERE coalesce((x.e ->> 'max_pause_seconds')::NUMERIC, 600) < coalesce((x.e ->> 'pause_seconds')::NUMERIC, 5)
+  ORDER BY x.n
+  LIMIT 1;
+  IF FOUND THEN
+    PERFORM tq_refuse('sync_platform_limits',
+      format('max_pause_seconds of platform %s', quote_literal(v_field.platform)),
+      coalesce(v_field.max_pause::TEXT, '600 (the default)'),
+      format('must not be below its pause_seconds (%s)', coalesce(v_field.pause::TEXT, '5, the default')), v_hint);
   END IF;
 
   INSERT INTO tq_platforms AS l (
@@ -1487,6 +1957,299 @@ BEGIN
   GET DIAGNOSTICS v_changed = ROW_COUNT;
   RETURN v_changed;
 END;
+$$;
+
+
+--
+-- Name: task_still_owned(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.task_still_owned(p_task_id integer, p_worker_id character varying) RETURNS TABLE(owned integer)
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+  SELECT 1
+  FROM worker_tasks t
+  WHERE t.id = p_task_id
+    AND t.worker_id = p_worker_id
+    AND t.status IN ('claimed', 'running')
+  FOR SHARE;
+$$;
+
+
+--
+-- Name: tq_check_prune(text, timestamp with time zone, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_check_prune(p_function text, p_before timestamp with time zone, p_limit integer) RETURNS void
+    LANGUAGE plpgsql STABLE
+    AS $$
+BEGIN
+  IF p_before IS NULL OR p_before > now() - INTERVAL '1 day' THEN
+    RAISE EXCEPTION '%: before must be at least a day ago, got %', p_function, coalesce(p_before::TEXT, 'NULL')
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Retention horizons are 1 day or more: rows of the last day are never pruned.';
+  END IF;
+  IF p_limit IS NULL OR p_limit < 1 OR p_limit > 100000 THEN
+    RAISE EXCEPTION '%: limit must be from 1 to 100000 rows, got %', p_function, coalesce(p_limit::TEXT, 'NULL')
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give the rows per batch (the prune''s batch_size).';
+  END IF;
+END;
+$$;
+
+
+--
+-- Name: tq_check_task(text, character varying, integer, character varying, integer, timestamp with time zone, integer, jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_check_task(p_function text, p_role character varying, p_dispensary_id integer, p_platform character varying, p_priority integer, p_scheduled_for timestamp with time zone, p_max_retries integer, p_payload jsonb) RETURNS void
+    LANGUAGE plpgsql STABLE
+    AS $$
+BEGIN
+  PERFORM tq_require_role(p_role);
+  IF p_dispensary_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM dispensaries d WHERE d.id = p_dispensary_id) THEN
+    PERFORM tq_refuse(p_function, 'dispensary_id', p_dispensary_id::TEXT, 'must be the id of a store in dispensaries',
+      'Give a dispensaries.id, or NULL for a task of no store (a platform''s listing, the analytics).');
+  END IF;
+  IF p_platform IS NOT NULL AND (btrim(p_platform) = '' OR length(p_platform) > 50) THEN
+    PERFORM tq_refuse(p_function, 'platform', tq_shown(p_platform), 'must be NULL or a name of 1 to 50 characters',
+      'The platform whose limits the task''s requests keep (dispensaries.menu_type); NULL for none.');
+  END IF;
+  IF p_priority IS NULL OR p_priority NOT BETWEEN -1000 AND 1000 THEN
+    PERFORM tq_refuse(p_function, 'priority', p_priority::TEXT, 'must be between -1000 and 1000',
+      'Due tasks of a higher priority are claimed first; 0 is the default.');
+  END IF;
+  IF p_scheduled_for IS NOT NULL
+     AND NOT (p_scheduled_for BETWEEN now() - INTERVAL '31 days' AND now() + INTERVAL '366 days') THEN
+    PERFORM tq_refuse(p_function, 'scheduled_for', p_scheduled_for::TEXT,
+      'must be within 31 days before and 366 days after now',
+      format('Give a time from %s to %s, or NULL for now: an older time would put the task ahead of '
+             'every task due since; a later one is most likely a mistake.',
+             date_trunc('second', now() - INTERVAL '31 days'), date_trunc('second', now() + INTERVAL '366 days')));
+  END IF;
+  IF p_max_retries IS NOT NULL AND p_max_retries NOT BETWEEN 0 AND 100 THEN
+    PERFORM tq_refuse(p_function, 'max_retries', p_max_retries::TEXT, 'must be between 0 and 100',
+      'How many times a failed task is tried again: 0 (never) to 100; the default is 3.');
+  END IF;
+  IF p_payload IS NULL OR jsonb_typeof(p_payload) <> 'object' THEN
+    PERFORM tq_refuse(p_function, 'payload', tq_shown(p_payload::TEXT), 'must be a JSON object',
+      'The role''s parameters as a JSON object, e.g. {"platform": "dutchie", "region": "north"}; {} for none.');
+  END IF;
+END;
+$$;
+
+
+--
+-- Name: tq_grant_admin(name); Type: PROCEDURE; Schema: public; Owner: -
+--
+
+CREATE PROCEDURE public.tq_grant_admin(IN p_role name)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_schema TEXT := current_schema();
+  r RECORD;
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = p_role) THEN
+    RAISE EXCEPTION 'tq_grant_admin: role % does not exist', quote_ident(p_role)
+      USING ERRCODE = 'undefined_object', HINT = 'Create it first (tq grant does).';
+  END IF;
+  IF (SELECT rolsuper FROM pg_roles WHERE rolname = p_role) THEN
+    RAISE EXCEPTION 'tq_grant_admin: admin role % is a superuser', quote_ident(p_role)
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'The queue''s functions run with their owner''s rights: give them a role of its own, without SUPERUSER.';
+  END IF;
+  EXECUTE format('GRANT CONNECT, TEMPORARY ON DATABASE %I TO %I', current_database(), p_role);
+  -- public belongs to pg_database_owner: the admin creates in it; another schema is its own.
+  IF (SELECT nspowner FROM pg_namespace WHERE nspname = v_schema) = 'pg_database_owner'::REGROLE THEN
+    EXECUTE format('GRANT USAGE, CREATE ON SCHEMA %I TO %I', v_schema, p_role);
+  ELSE
+    EXECUTE format('ALTER SCHEMA %I OWNER TO %I', v_schema, p_role);
+  END IF;
+  -- Relations (a table's sequences and indexes go with it), functions and procedures, types.
+  FOR r IN
+    SELECT format('ALTER %s %I.%I OWNER TO %I',
+             CASE c.relkind WHEN 'v' THEN 'VIEW' WHEN 'm' THEN 'MATERIALIZED VIEW'
+                            WHEN 'S' THEN 'SEQUENCE' WHEN 'f' THEN 'FOREIGN TABLE' ELSE 'TABLE' END,
+             v_schema, c.relname, p_role) AS statement
+    FROM pg_class c
+    WHERE c.relnamespace = v_schema::REGNAMESPACE
+      AND c.relkind IN ('r', 'p', 'v', 'm', 'f', 'S')
+      AND c.relowner <> p_role::REGROLE
+      -- A sequence owned by a column follows its table.
+      AND NOT (c.relkind = 'S' AND EXISTS (
+        SELECT 1 FROM pg_depend d
+        WHERE d.classid = 'pg_class'::REGCLASS AND d.objid = c.oid AND d.deptype IN ('a', 'i')
+          AND d.refclassid = 'pg_class'::REGCLASS))
+      AND NOT EXISTS (
+        SELECT 1 FROM pg_depend e
+        WHERE e.classid = 'pg_class'::REGCLASS AND e.objid = c.oid AND e.deptype = 'e')
+    UNION ALL
+    SELECT format('ALTER %s %s OWNER TO %I',
+             CASE p.prokind WHEN 'p' THEN 'PROCEDURE' WHEN 'a' THEN 'AGGREGATE' ELSE 'FUNCTION' END,
+             p.oid::REGPROCEDURE, p_role)
+    FROM pg_proc p
+    WHERE p.pronamespace = v_schema::REGNAMESPACE
+      AND p.proowner <> p_role::REGROLE
+      AND NOT EXISTS (
+        SELECT 1 FROM pg_depend e
+        WHERE e.classid = 'pg_proc'::REGCLASS AND e.objid = p.oid AND e.deptype = 'e')
+    UNION ALL
+    SELECT format('ALTER %s %I.%I OWNER TO %I',
+             CASE t.typtype WHEN 'd' THEN 'DOMAIN' ELSE 'TYPE' END, v_schema, t.typname, p_role)
+    FROM pg_type t
+    LEFT JOIN pg_class c ON c.oid = t.typrelid
+    WHERE t.typnamespace = v_schema::REGNAMESPACE
+      AND t.typowner <> p_role::REGROLE
+      AND (t.typrelid = 0 OR c.relkind = 'c')
+      AND NOT EXISTS (SELECT 1 FROM pg_type elem WHERE elem.typarray = t.oid)
+      AND NOT EXISTS (SELECT 1 FROM pg_range mr WHERE mr.rngmultitypid = t.oid)
+      AND NOT EXISTS (
+        SELECT 1 FROM pg_depend e
+        WHERE e.classid = 'pg_type'::REGCLASS AND e.objid = t.oid AND e.deptype = 'e')
+  LOOP
+    EXECUTE r.statement;
+  END LOOP;
+END;
+$$;
+
+
+--
+-- Name: tq_grant_worker(name); Type: PROCEDURE; Schema: public; Owner: -
+--
+
+CREATE PROCEDURE public.tq_grant_worker(IN p_role name)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_schema TEXT := current_schema();
+  -- Read by the named queries of the worker's paths (sql/*.sql), by name.
+  v_reads CONSTANT TEXT[] := ARRAY[
+    'worker_tasks',         -- get_task, stuck_tasks, claimable_now, platform_errors, prune counts
+    'worker_task_roles',    -- task_roles: the roles the sensors and drain runs serve
+    'worker_task_heads',    -- claimable_now
+    'worker_task_stores',   -- claimable_now
+    'tq_platforms',         -- claimable_now, platform_counter_drift
+    'worker_registry',      -- worker_liveness (dead drain runs), count_prunable_workers
+    'task_completion_log',  -- completion_log_hour (the rollup asset)
+    'dispensaries',         -- store_entry_point (the crawl handlers)
+    'store_crawl_state',    -- store_entry_point
+    'store_analytics',      -- analytics_summary (analytics_refresh), store freshness
+    'product_history',      -- count_prunable_product_history (a dry-run prune)
+    'tq_retention',         -- retention_watermark
+    'v_worker_capacity',    -- TaskQueue.capacity: queue_health_sensor, tq status
+    'v_platform_status',    -- TaskQueue.platform_status: the platform sensors, tq platforms
+    'v_store_freshness',    -- store freshness
+    'v_task_history'        -- the tasks with their stores, for whoever looks
+  ];
+  v_owner TEXT;
+  r RECORD;
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = p_role) THEN
+    RAISE EXCEPTION 'tq_grant_worker: role % does not exist', quote_ident(p_role)
+      USING ERRCODE = 'undefined_object', HINT = 'Create it first (tq grant does).';
+  END IF;
+  IF (SELECT rolsuper OR rolbypassrls FROM pg_roles WHERE rolname = p_role) THEN
+    RAISE EXCEPTION 'tq_grant_worker: worker role % is a superuser or bypasses row security', quote_ident(p_role)
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give the worker a role of its own, with LOGIN and no other attribute.';
+  END IF;
+  -- A role that is, or can become, an owner of the queue's objects has all their rights.
+  SELECT o.owner::REGROLE::TEXT INTO v_owner
+  FROM (
+    SELECT c.relowner AS owner FROM pg_class c WHERE c.relnamespace = v_schema::REGNAMESPACE
+    UNION
+    SELECT p.proowner FROM pg_proc p WHERE p.pronamespace = v_schema::REGNAMESPACE
+    UNION
+    SELECT n.nspowner FROM pg_namespace n WHERE n.nspname = v_schema AND n.nspname <> 'public'
+  ) o
+  WHERE pg_has_role(p_role, o.owner, 'MEMBER')
+  LIMIT 1;
+  IF v_owner IS NOT NULL THEN
+    RAISE EXCEPTION 'tq_grant_worker: worker role % is, or is a member of, %, which owns objects of schema %',
+      quote_ident(p_role), v_owner, v_schema
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give the worker a role of its own, member of no role that owns the queue.';
+  END IF;
+
+  EXECUTE format('REVOKE ALL ON ALL TABLES IN SCHEMA %I FROM %I', v_schema, p_role);
+  EXECUTE format('REVOKE ALL ON ALL SEQUENCES IN SCHEMA %I FROM %I', v_schema, p_role);
+  EXECUTE format('REVOKE ALL ON ALL ROUTINES IN SCHEMA %I FROM %I', v_schema, p_role);
+  EXECUTE format('REVOKE CREATE ON SCHEMA %I FROM %I', v_schema, p_role);
+  -- PUBLIC has CONNECT unless the database's owner took it away; only the owner may give it.
+  IF NOT has_database_privilege(p_role, current_database(), 'CONNECT') THEN
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO %I', current_database(), p_role);
+  END IF;
+  EXECUTE format('GRANT USAGE ON SCHEMA %I TO %I', v_schema, p_role);
+  FOR r IN
+    SELECT c.relname
+    FROM pg_class c
+    WHERE c.relnamespace = v_schema::REGNAMESPACE
+      AND c.relname = ANY (v_reads)
+      AND c.relkind IN ('r', 'p', 'v', 'm')
+    ORDER BY c.relname
+  LOOP
+    EXECUTE format('GRANT SELECT ON %I.%I TO %I', v_schema, r.relname, p_role);
+  END LOOP;
+  FOR r IN
+    SELECT p.oid::REGPROCEDURE AS signature, p.prokind
+    FROM pg_proc p
+    WHERE p.pronamespace = v_schema::REGNAMESPACE
+      AND p.prosecdef
+    ORDER BY p.oid
+  LOOP
+    EXECUTE format('GRANT EXECUTE ON %s %s TO %I',
+      CASE r.prokind WHEN 'p' THEN 'PROCEDURE' ELSE 'FUNCTION' END, r.signature, p_role);
+  END LOOP;
+END;
+$$;
+
+
+--
+-- Name: tq_json_number_between(jsonb, numeric, numeric, boolean); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_json_number_between(p_value jsonb, p_low numeric, p_high numeric, p_whole boolean DEFAULT false) RETURNS boolean
+    LANGUAGE sql IMMUTABLE
+    AS $_$
+  SELECT CASE
+    WHEN p_value IS NULL OR jsonb_typeof(p_value) NOT IN ('number', 'string') THEN false
+    WHEN p_whole AND (p_value #>> '{}') !~ '^\s*[+-]?[0-9]+\s*$' THEN false
+    WHEN (p_value #>> '{}') !~ '^\s*[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?\s*$' THEN false
+    ELSE (p_value #>> '{}')::NUMERIC BETWEEN p_low AND p_high
+  END;
+$_$;
+
+
+--
+-- Name: tq_json_text(jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_json_text(p_value jsonb) RETURNS boolean
+    LANGUAGE sql IMMUTABLE
+    AS $$
+  SELECT coalesce(
+    jsonb_typeof(p_value) = 'number' OR (jsonb_typeof(p_value) = 'string' AND p_value #>> '{}' <> ''),
+    false);
+$$;
+
+
+--
+-- Name: tq_known_platforms_hint(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_known_platforms_hint() RETURNS text
+    LANGUAGE sql STABLE
+    AS $$
+  SELECT coalesce('Known platforms: ' || string_agg(k.platform, ', ' ORDER BY k.platform) || '.',
+                  'No platform is known yet.')
+    || ' A platform is known once a store of it is listed or its limits are loaded (tq platforms --sync).'
+  FROM (
+    SELECT l.platform::TEXT FROM tq_platforms l
+    UNION
+    SELECT DISTINCT d.menu_type::TEXT FROM dispensaries d WHERE d.menu_type IS NOT NULL
+  ) k (platform);
 $$;
 
 
@@ -1710,6 +2473,21 @@ $$;
 
 
 --
+-- Name: tq_refuse(text, text, text, text, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_refuse(p_function text, p_argument text, p_value text, p_rule text, p_hint text) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  RAISE EXCEPTION '%',
+    concat_ws(': ', p_function, format('%s %s, got %s', p_argument, p_rule, coalesce(p_value, 'NULL')))
+    USING ERRCODE = 'invalid_parameter_value', HINT = p_hint;
+END;
+$$;
+
+
+--
 -- Name: tq_require_role(character varying); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1735,9 +2513,24 @@ CREATE FUNCTION public.tq_require_worker(p_worker_id character varying) RETURNS 
     AS $$
 BEGIN
   IF p_worker_id IS NULL OR btrim(p_worker_id) = '' THEN
-    RAISE EXCEPTION 'worker_id must not be empty' USING ERRCODE = '22023';
+    PERFORM tq_refuse(NULL, 'worker_id', tq_shown(p_worker_id), 'must not be empty',
+      'A worker id is 1 to 100 characters, not all blanks, and unique to one worker process.');
+  ELSIF length(p_worker_id) > 100 THEN
+    PERFORM tq_refuse(NULL, 'worker_id', tq_shown(p_worker_id), 'must be at most 100 characters',
+      'A worker id is 1 to 100 characters, not all blanks (worker_tasks.worker_id is VARCHAR(100)).');
   END IF;
 END;
+$$;
+
+
+--
+-- Name: tq_resync_window(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_resync_window(OUT first_day date, OUT last_day date) RETURNS record
+    LANGUAGE sql STABLE
+    AS $$
+  SELECT (now() AT TIME ZONE 'UTC')::DATE - 1826, (now() AT TIME ZONE 'UTC')::DATE + 7;
 $$;
 
 
@@ -1753,6 +2546,123 @@ CREATE FUNCTION public.tq_retry_delay(p_role character varying, p_retry_count in
     * (0.5 + random() / 2))
   FROM worker_task_roles r
   WHERE r.role = p_role;
+$$;
+
+
+--
+-- Name: tq_rollup_hour(date, integer, boolean); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_rollup_hour(p_date date, p_hour integer, p_keep_pruned boolean) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_start TIMESTAMPTZ;
+  v_rows INTEGER;
+BEGIN
+  v_start := (p_date::TIMESTAMP AT TIME ZONE 'UTC') + make_interval(hours => p_hour);
+
+  INSERT INTO task_completion_log AS l (
+    role, date, hour, tasks_created, tasks_completed, tasks_failed,
+    avg_duration_sec, min_duration_sec, max_duration_sec, updated_at
+  )
+  SELECT
+    r.role, p_date, p_hour,
+    coalesce(c.created, 0), coalesce(f.completed, 0), coalesce(f.failed, 0),
+    f.avg_sec, f.min_sec, f.max_sec, now()
+  FROM worker_task_roles r
+  LEFT JOIN (
+    SELECT role, count(*) AS created
+    FROM worker_tasks
+    WHERE created_at >= v_start AND created_at < v_start + INTERVAL '1 hour'
+    GROUP BY role
+  ) c ON c.role = r.role
+  LEFT JOIN (
+    SELECT
+      role,
+      count(*) FILTER (WHERE status = 'completed') AS completed,
+      count(*) FILTER (WHERE status = 'failed') AS failed,
+      round(avg(extract(EPOCH FROM completed_at - started_at)) FILTER (WHERE status = 'completed'), 2) AS avg_sec,
+      round(min(extract(EPOCH FROM completed_at - started_at)) FILTER (WHERE status = 'completed'), 2) AS min_sec,
+      round(max(extract(EPOCH FROM completed_at - started_at)) FILTER (WHERE status = 'completed'), 2) AS max_sec
+    FROM worker_tasks
+    WHERE status IN ('completed', 'failed')
+      AND completed_at >= v_start AND completed_at < v_start + INTERVAL '1 hour'
+    GROUP BY role
+  ) f ON f.role = r.role
+  WHERE NOT p_keep_pruned
+     OR v_start >= (SELECT k.tasks_pruned_before FROM tq_retention k)
+  ON CONFLICT (role, date, hour) DO UPDATE
+  SET tasks_created = excluded.tasks_created,
+      tasks_completed = excluded.tasks_completed,
+      tasks_failed = excluded.tasks_failed,
+      avg_duration_sec = excluded.avg_duration_sec,
+      min_duration_sec = excluded.min_duration_sec,
+      max_duration_sec = excluded.max_duration_sec,
+      updated_at = excluded.updated_at;
+  GET DIAGNOSTICS v_rows = ROW_COUNT;
+  RETURN v_rows;
+END;
+$$;
+
+
+--
+-- Name: tq_secure_functions(); Type: PROCEDURE; Schema: public; Owner: -
+--
+
+CREATE PROCEDURE public.tq_secure_functions()
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  -- The schema the migration runs in, then pg_temp: a caller's temporary objects come last.
+  v_path TEXT := format('%I, pg_temp', current_schema());
+  v_kind TEXT;
+  f RECORD;
+BEGIN
+  IF current_schema() IS NULL THEN
+    RAISE EXCEPTION 'tq_secure_functions: no schema to secure: the search_path names none that exists'
+      USING ERRCODE = 'invalid_schema_name',
+            HINT = 'Call it in the session that migrates, whose search_path starts with the queue''s schema.';
+  END IF;
+  FOR f IN
+    SELECT
+      p.oid::REGPROCEDURE AS signature,
+      p.prokind,
+      p.prorettype = 'trigger'::REGTYPE AS is_trigger,
+      p.proname NOT LIKE 'tq\_%' AS is_api,
+      p.prosecdef AND ('search_path=' || v_path) = ANY (coalesce(p.proconfig, '{}')) AS is_secured
+    FROM pg_proc p
+    WHERE p.pronamespace = current_schema()::REGNAMESPACE
+      AND p.prokind IN ('f', 'p')
+      AND NOT EXISTS (
+        SELECT 1 FROM pg_depend d
+        WHERE d.classid = 'pg_proc'::REGCLASS AND d.objid = p.oid AND d.deptype = 'e'
+      )
+    ORDER BY p.oid
+  LOOP
+    v_kind := CASE f.prokind WHEN 'p' THEN 'PROCEDURE' ELSE 'FUNCTION' END;
+    EXECUTE format('REVOKE EXECUTE ON %s %s FROM PUBLIC', v_kind, f.signature);
+    IF f.is_api AND NOT f.is_trigger AND NOT f.is_secured THEN
+      -- SET adds to the function's other settings (claim_tasks' plan_cache_mode stays).
+      EXECUTE format('ALTER %s %s SECURITY DEFINER SET search_path = %s', v_kind, f.signature, v_path);
+    END IF;
+  END LOOP;
+END;
+$$;
+
+
+--
+-- Name: tq_shown(text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_shown(p_value text) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    AS $$
+  SELECT CASE
+    WHEN p_value IS NULL THEN 'NULL'
+    WHEN length(p_value) > 40 THEN quote_literal(left(p_value, 40)) || format('... (%s characters)', length(p_value))
+    ELSE quote_literal(p_value)
+  END;
 $$;
 
 
@@ -2031,22 +2941,32 @@ $$;
 --
 
 CREATE FUNCTION public.upsert_listed_stores(p_platform character varying, p_stores jsonb) RETURNS TABLE(dispensary_id integer, directory_id text, created boolean)
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   s RECORD;
   v_id INTEGER;
   v_gone TIMESTAMPTZ;
 BEGIN
-  IF p_platform IS NULL OR p_platform = '' THEN
-    RAISE EXCEPTION 'platform must not be empty' USING ERRCODE = '22023';
+  IF p_platform IS NULL OR btrim(p_platform) = '' OR length(p_platform) > 50 THEN
+    PERFORM tq_refuse('upsert_listed_stores', 'platform', tq_shown(p_platform),
+      CASE WHEN length(p_platform) > 50 THEN 'must be at most 50 characters' ELSE 'must not be empty' END,
+      'The platform the stores were listed on: a name of 1 to 50 characters (dispensaries.menu_type).');
+  END IF;
+  IF p_stores IS NULL OR jsonb_typeof(p_stores) <> 'array'
+     OR EXISTS (SELECT 1 FROM jsonb_array_elements(p_stores) AS x (e) WHERE jsonb_typeof(x.e) <> 'object') THEN
+    PERFORM tq_refuse('upsert_listed_stores', 'stores', tq_shown(p_stores::TEXT), 'must be a JSON array of objects',
+      'One object per listed store: {"id": its id on the platform, "name": ..., "region": ...}.');
   END IF;
   -- Two listings of one platform at once would both see a store as new.
   PERFORM pg_advisory_xact_lock(hashtext('tq:listing:' || p_platform));
   IF EXISTS (
     SELECT 1 FROM jsonb_to_recordset(p_stores) AS x (id TEXT) WHERE x.id IS NULL OR x.id = ''
   ) THEN
-    RAISE EXCEPTION 'every listed store needs a non-empty id' USING ERRCODE = '22023';
+    RAISE EXCEPTION 'upsert_listed_stores: every listed store needs a non-empty id'
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'One object per listed store: {"id": its id on the platform, "name": ..., "region": ...}.';
   END IF;
   FOR s IN
     SELECT DISTINCT ON (x.id) x.id, x.name, x.region
@@ -2099,7 +3019,8 @@ $$;
 --
 
 CREATE FUNCTION public.worker_completed(p_worker_id character varying, p_count integer) RETURNS void
-    LANGUAGE sql
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
     AS $$
   UPDATE worker_registry
   SET tasks_completed = tasks_completed + greatest(p_count, 0), last_heartbeat_at = now()
@@ -2303,6 +3224,26 @@ CREATE SEQUENCE public.task_completion_log_id_seq
 --
 
 ALTER SEQUENCE public.task_completion_log_id_seq OWNED BY public.task_completion_log.id;
+
+
+--
+-- Name: tq_retention; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.tq_retention (
+    id boolean DEFAULT true NOT NULL,
+    tasks_pruned_before timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT tq_retention_id_check CHECK (id),
+    CONSTRAINT tq_retention_tasks_pruned_before_check CHECK (((tasks_pruned_before = '-infinity'::timestamp with time zone) OR (date_trunc('hour'::text, (tasks_pruned_before AT TIME ZONE 'UTC'::text)) = (tasks_pruned_before AT TIME ZONE 'UTC'::text))))
+);
+
+
+--
+-- Name: TABLE tq_retention; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON TABLE public.tq_retention IS 'One row: finished tasks were pruned up to tasks_pruned_before; task_completion_log keeps the hours before it as they are';
 
 
 --
@@ -2650,6 +3591,14 @@ ALTER TABLE ONLY public.worker_tasks ALTER COLUMN id SET DEFAULT nextval('public
 
 
 --
+-- Data for Name: tq_retention; Type: TABLE DATA; Schema: public; Owner: -
+--
+
+INSERT INTO public.tq_retention (id, tasks_pruned_before, updated_at) VALUES
+	(true, '-infinity', '-infinity');
+
+
+--
 -- Data for Name: worker_task_roles; Type: TABLE DATA; Schema: public; Owner: -
 --
 
@@ -2742,6 +3691,14 @@ ALTER TABLE ONLY public.tq_platforms
 
 
 --
+-- Name: tq_retention tq_retention_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.tq_retention
+    ADD CONSTRAINT tq_retention_pkey PRIMARY KEY (id);
+
+
+--
 -- Name: worker_registry worker_registry_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -2829,6 +3786,13 @@ CREATE INDEX idx_worker_task_heads_platform ON public.worker_task_heads USING bt
 --
 
 CREATE INDEX idx_worker_task_heads_recheck ON public.worker_task_heads USING btree (role, recheck_at) WHERE (recheck_at IS NOT NULL);
+
+
+--
+-- Name: idx_worker_tasks_cancelled; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX idx_worker_tasks_cancelled ON public.worker_tasks USING btree (completed_at) WHERE ((status)::text = 'cancelled'::text);
 
 
 --

@@ -29,10 +29,12 @@ from tq_pipelines.db import (
     embedded,
     sqlalchemy_url,
 )
+from tq_pipelines.db.grant import GrantError, grant
 from tq_pipelines.db.migrate import MigrationError, migrate
 from tq_pipelines.demo import seed_demo, start_demo
 from tq_pipelines.queue import QueueInputError, TaskQueue, resync_window
 from tq_pipelines.redact import redact_conninfo, redact_text
+from tq_pipelines.retention import RetentionSettings, RetentionSettingsError, prune
 
 # Bounds of the arguments checked as they are parsed. The database checks the queue's own again
 # (generate_resync_tasks, recover_stale_tasks) and stays the authority on them.
@@ -106,7 +108,14 @@ def _reason(exc: BaseException) -> str:
     """The one line an error ends as: its own words for the errors of each layer, the type's
     name too for anything else; secrets masked, whitespace folded."""
     if isinstance(
-        exc, QueueInputError | DatabaseUnreachable | MigrationError | PlatformSettingsError | CommandError
+        exc,
+        QueueInputError
+        | DatabaseUnreachable
+        | MigrationError
+        | PlatformSettingsError
+        | CommandError
+        | GrantError
+        | RetentionSettingsError,
     ):
         text = str(exc)
     elif isinstance(exc, psycopg.Error):
@@ -183,6 +192,55 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
             f"{r['requests_per_second']:>8g}{r['burst']:>7}{r['pause_seconds_left']:>11.0f}s"
             f"{r['errors_total']:>8}  {r['pause_reason'] or ''}"
         )
+    return 0
+
+
+def _password_from(variable: str | None, flag: str) -> str | None:
+    """A password from the environment variable a flag names: never from an argument, which
+    every user of the machine can read in the process list."""
+    if variable is None:
+        return None
+    password = os.environ.get(variable)
+    if not password:
+        raise CommandError(f"{flag} {variable}: that environment variable is unset or empty")
+    return password
+
+
+def _cmd_grant(args: argparse.Namespace) -> int:
+    """The worker role (and the admin role) of the queue database, created or updated."""
+    done = grant(
+        _database(),
+        worker_role=args.worker_role,
+        admin_role=args.admin_role,
+        worker_password=_password_from(args.worker_password_env, "--worker-password-env"),
+        admin_password=_password_from(args.admin_password_env, "--admin-password-env"),
+        setting="TQ_DATABASE_URL",
+    )
+    for line in done:
+        print(line)
+    return 0
+
+
+def _cmd_prune(args: argparse.Namespace) -> int:
+    """Old finished tasks, workers, rollup hours and product history, deleted in short batches."""
+    settings = RetentionSettings(
+        tasks_days=args.tasks_days,
+        completion_log_days=args.completion_log_days,
+        workers_days=args.workers_days,
+        product_history_days=args.product_history_days,
+        batch_size=args.batch_size,
+        pause_seconds=args.pause_seconds,
+        time_budget_seconds=args.time_budget_seconds,
+    )
+    report = prune(_database(), settings, dry_run=args.dry_run)
+    verb = "would delete" if report.dry_run else "deleted"
+    for name, table in report.tables.items():
+        print(
+            f"{name:<22}{verb} {table.rows:>10,} rows in {table.batches:>5} batches, {table.seconds:7.1f} s"
+            + ("" if table.finished else "  (time budget spent: the rest waits for the next prune)")
+        )
+    if report.hours_rolled_up:
+        print(f"task_completion_log: {report.hours_rolled_up} hours rolled up before their tasks went")
     return 0
 
 
@@ -303,6 +361,39 @@ def build_parser() -> argparse.ArgumentParser:
     plat.add_argument("--sync", action="store_true", help="load the limits from the platforms file first")
     plat.add_argument("--file", help="the platforms file (default TQ_PLATFORMS_FILE)")
     plat.set_defaults(func=_cmd_platforms)
+
+    grant_cmd = sub.add_parser(
+        "grant", help="create or update the worker role (and the admin role) and their rights"
+    )
+    grant_cmd.add_argument("--worker-role", required=True, help="the role drain runs and sensors log in as")
+    grant_cmd.add_argument("--admin-role", help="the role that owns the schema and migrates (default: as is)")
+    grant_cmd.add_argument("--worker-password-env", metavar="VAR", help="set the worker's password from $VAR")
+    grant_cmd.add_argument("--admin-password-env", metavar="VAR", help="set the admin's password from $VAR")
+    grant_cmd.set_defaults(func=_cmd_grant)
+
+    defaults = RetentionSettings()
+    prune_cmd = sub.add_parser("prune", help="delete what is past its retention, in short batches")
+    for flag, help_text in (
+        ("--tasks-days", "finished tasks, days after they finished"),
+        ("--completion-log-days", "the hourly rollup, days (at least --tasks-days)"),
+        ("--workers-days", "registry rows of workers silent this many days and holding no task"),
+        ("--product-history-days", "price and stock changes, days"),
+        ("--batch-size", "rows per delete, each its own transaction"),
+    ):
+        name = flag[2:].replace("-", "_")
+        default = getattr(defaults, name)
+        prune_cmd.add_argument(flag, type=int, default=default, help=f"{help_text} (default {default})")
+    prune_cmd.add_argument(
+        "--pause-seconds", type=float, default=defaults.pause_seconds, help="sleep between batches"
+    )
+    prune_cmd.add_argument(
+        "--time-budget-seconds",
+        type=float,
+        default=defaults.time_budget_seconds,
+        help="start no batch after this long",
+    )
+    prune_cmd.add_argument("--dry-run", action="store_true", help="count what would go, delete nothing")
+    prune_cmd.set_defaults(func=_cmd_prune)
 
     dev = sub.add_parser("dev", help="database up and migrated, then the Dagster UI and daemon")
     dev.add_argument("--home", default=".", help="folder with dagster.yaml and workspace.yaml")

@@ -16,6 +16,7 @@ from tq_pipelines.jobs import (
     generate_resync_tasks_job,
     recover_stale_tasks_job,
 )
+from tq_pipelines.prune import prune_job, prune_schedule
 from tq_pipelines.resources import CrawlResource, QueueResource
 from tq_pipelines.schedules import (
     analytics_refresh_schedule,
@@ -49,6 +50,7 @@ defs = dg.Definitions(
         enqueue_analytics_refresh_job,
         demo_crawl_job,
         store_freshness_job,
+        prune_job,
     ],
     schedules=[
         generate_resync_tasks_schedule,
@@ -56,6 +58,7 @@ defs = dg.Definitions(
         task_completion_log_schedule,
         task_completion_log_current_hour_schedule,
         store_freshness_schedule,
+        prune_schedule,
         store_discovery_schedule,
         analytics_refresh_schedule,
         *([demo_crawl_schedule] if DEMO else []),

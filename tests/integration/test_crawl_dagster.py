@@ -720,8 +720,9 @@ def test_definitions_include_the_demo_schedule_only_with_tq_demo_1(value: str | 
         "analytics_refresh_schedule",
         "task_completion_log_current_hour_schedule",
         "store_freshness_schedule",
+        "prune_schedule",
     } <= set(names)
-    assert len(names) == 7 + included
+    assert len(names) == 8 + included
 
 
 # -- 6. which platforms the resync covers --------------------------------------------------------

@@ -17,6 +17,7 @@ JOBS = {
     "enqueue_store_discovery_job",
     "enqueue_analytics_refresh_job",
     "store_freshness_job",
+    "prune_job",
 }
 SCHEDULES = {
     "generate_resync_tasks_schedule": ("5 0 * * *", "generate_resync_tasks_job"),
@@ -24,6 +25,7 @@ SCHEDULES = {
     "task_completion_log_schedule": ("5 * * * *", "task_completion_log_job"),
     "task_completion_log_current_hour_schedule": ("*/5 * * * *", "task_completion_log_job"),
     "store_freshness_schedule": ("2-59/5 * * * *", "store_freshness_job"),
+    "prune_schedule": ("30 3 * * *", "prune_job"),
     "store_discovery_schedule": ("0 23 * * *", "enqueue_store_discovery_job"),
     "analytics_refresh_schedule": ("*/15 * * * *", "enqueue_analytics_refresh_job"),
 }

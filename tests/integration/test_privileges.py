@@ -68,7 +68,7 @@ INVOKER_FUNCTIONS = {
     "tq_platform_quota",
     "tq_platform_tolerance",
     "tq_retry_delay",
-    # the rollup of one hour, under refresh_task_completion_log and tq_prune_tasks (0009)
+    # the rollup of one hour, under refresh_task_completion_log and prune_tasks (0009)
     "tq_rollup_hour",
     # the admin's: `tq grant` and the end of every migration (0010)
     "tq_secure_functions",
