@@ -266,12 +266,12 @@ def test_tq_platforms_sync_refuses_a_bad_file_naming_the_key_and_changes_nothing
     captured = capsys.readouterr()
     assert captured.out == ""
     [line] = captured.err.splitlines()
-    assert line.startswith("tq: ") and str(bad) in line and "[platforms.jane]" in line, line
+    assert line.startswith("tq platforms: ") and str(bad) in line and "[platforms.jane]" in line, line
     assert "max_in_fligth" in line, line
     assert conn.execute("SELECT l::text FROM tq_platforms l ORDER BY platform").fetchall() == before
 
     # --sync without a file anywhere: refused, nothing changed.
     assert main(["platforms", "--sync"]) == 2
     [line] = capsys.readouterr().err.splitlines()
-    assert "--file or TQ_PLATFORMS_FILE" in line, line
+    assert "--file or set TQ_PLATFORMS_FILE" in line, line
     assert conn.execute("SELECT l::text FROM tq_platforms l ORDER BY platform").fetchall() == before

@@ -30,12 +30,14 @@ from tq_pipelines.crawl.menu import menu_hash, normalise_menu
 from tq_pipelines.db.grant import GrantError, grant
 from tq_pipelines.db.migrate import Migration, load_migrations, migrate
 from tq_pipelines.db.queries import query
+from tq_pipelines.freshness import store_freshness
 from tq_pipelines.jobs import (
     drain_tasks_job,
     enqueue_analytics_refresh_job,
     generate_resync_tasks_job,
     recover_stale_tasks_job,
 )
+from tq_pipelines.prune import prune_job
 from tq_pipelines.queue import TaskQueue
 from tq_pipelines.resources import CrawlResource, QueueResource
 from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor
@@ -274,6 +276,24 @@ def test_the_worker_runs_the_scheduled_jobs_a_drain_and_the_rollup(
     assert rollup.success, failure_text(rollup)
     [materialized] = rollup.asset_materializations_for_node("task_completion_log")
     assert materialized.metadata["tasks_completed"].value == 6
+
+    freshness = dg.materialize(
+        [store_freshness],
+        resources={"tq": QueueResource(database_url=worker_url)},
+        raise_on_error=False,
+    )
+    assert freshness.success, failure_text(freshness)
+    [fresh] = freshness.asset_materializations_for_node("store_freshness")
+    assert fresh.metadata["dutchie_enabled"].value == 6
+
+    # The nightly prune, with its Dagster runs trimmed too: its batches are functions.
+    conn.execute(
+        "UPDATE worker_tasks SET created_at = now() - interval '41 days',"
+        " completed_at = now() - interval '40 days' WHERE status = 'completed'"
+    )
+    pruned = run_job(prune_job, worker_url)
+    assert pruned.success, failure_text(pruned)
+    assert status_counts(conn) == {"pending": 1}  # the analytics refresh queued above
 
 
 def test_the_worker_evaluates_the_sensors(worker_url: str, conn: psycopg.Connection, webhook: Webhook):
