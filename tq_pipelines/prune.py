@@ -60,10 +60,11 @@ class PruneConfig(dg.Config):
         le=36_500,
         description="Finished Dagster runs (and their event logs) older than this go",
     )
-    # About 400 scheduled runs a day, and the drain runs: a daily prune must delete more than a
-    # day's worth to catch up; each run goes with its events, 100 runs a page.
+    # About 1,000 scheduled runs a day (recovery, the rollup's current hour and the freshness every
+    # 5 minutes) and the drain runs: a daily prune must delete several days' worth to catch up
+    # after a pause; each run goes with its events, 100 runs a page.
     dagster_runs_per_prune: int = Field(
-        default=2_000,
+        default=10_000,
         ge=0,
         le=100_000,
         description="At most this many Dagster runs deleted per prune, oldest first (0: none)",

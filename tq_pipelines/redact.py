@@ -85,11 +85,12 @@ def _is_url(text: str) -> bool:
 
 
 def _redact_database_url(url: str) -> str:
-    """A postgres:// URL split the way that keeps a password whole even when it holds '/' or
-    '@' unencoded: the credentials run to the last '@' before the query."""
+    """A postgres:// URL split the way that keeps a password whole even when it holds '/', '?'
+    or '@' unencoded: the credentials run to the last '@' (one in the query too makes this mask
+    more than the credentials, never less)."""
     scheme, _, rest = url.strip().partition("://")
-    rest, qmark, query = rest.partition("?")
-    userinfo, at, hosts = rest.rpartition("@")
+    userinfo, at, rest = rest.rpartition("@")
+    hosts, qmark, query = rest.partition("?")
     user, colon, _password = userinfo.partition(":")
     auth = f"{user}{':' + MASK if colon else ''}{at}"
     if qmark:
@@ -169,7 +170,8 @@ def secret_pieces(secret: str) -> set[str]:
     pieces = {secret}
     if _is_url(secret):
         rest = secret.partition("://")[2]
-        authority = rest.partition("?")[0]
+        # A database URL's credentials run to its last '@', a '?' in the password included.
+        authority = rest if _is_database_url(secret) else rest.partition("?")[0]
         if not _is_database_url(secret):
             authority, slash, path = authority.partition("/")
             if path.strip("/"):

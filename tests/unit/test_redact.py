@@ -122,3 +122,12 @@ def test_short_strings_are_not_secrets_everywhere():
     # A four-character minimum: a one-letter password must not mask every 'a' of a message.
     assert secret_pieces("postgresql://tq:a@db/tq") == {"postgresql://tq:a@db/tq"}
     assert redact_text("a database", ["postgresql://tq:a@db/tq"]) == "a database"
+
+
+def test_a_password_holding_a_question_mark_stays_hidden(monkeypatch: pytest.MonkeyPatch):
+    # libpq reads the password of this URL as "pa?ss-<secret>": the '?' does not end it.
+    secret = "ss-" + SECRET
+    url = f"postgresql://u:pa?{secret}@db.internal:5432/queue?sslmode=require"
+    assert redact_conninfo(url) == "postgresql://u:***@db.internal:5432/queue?sslmode=require"
+    monkeypatch.setenv("TQ_DATABASE_URL", url)
+    assert secret not in redact_text(f"connection to {url} failed; password pa?{secret} refused")
