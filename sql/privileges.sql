@@ -35,30 +35,27 @@ CALL tq_secure_functions();
 CALL tq_grant_worker(%(role)s);
 
 -- name: worker_privileges
--- What the role now holds in the schema: relations it may read, functions it may call, and
--- anything else (none, after tq_grant_worker).
+-- What the role now holds on the queue's objects: relations it may read, functions it may call,
+-- and anything else (none, after tq_grant_worker).
 SELECT
   (SELECT count(*)
-   FROM pg_class c
-   WHERE c.relnamespace = current_schema()::REGNAMESPACE
-     AND c.relkind IN ('r', 'p', 'v', 'm')
-     AND has_table_privilege(%(role)s, c.oid, 'SELECT')) AS readable,
+   FROM tq_queue_relations() q
+   WHERE q.relkind <> 'S'
+     AND has_table_privilege(%(role)s, q.relation, 'SELECT')) AS readable,
   (SELECT count(*)
-   FROM pg_class c
-   WHERE c.relnamespace = current_schema()::REGNAMESPACE
-     AND c.relkind IN ('r', 'p', 'v', 'm')
-     AND has_table_privilege(%(role)s, c.oid, 'INSERT, UPDATE, DELETE, TRUNCATE, REFERENCES, TRIGGER'))
+   FROM tq_queue_relations() q
+   WHERE q.relkind <> 'S'
+     AND has_table_privilege(%(role)s, q.relation, 'INSERT, UPDATE, DELETE, TRUNCATE, REFERENCES, TRIGGER'))
     AS writable,
   (SELECT count(*)
-   FROM pg_proc p
-   WHERE p.pronamespace = current_schema()::REGNAMESPACE
-     AND has_function_privilege(%(role)s, p.oid, 'EXECUTE')) AS callable;
+   FROM tq_queue_functions() q
+   WHERE has_function_privilege(%(role)s, q.signature, 'EXECUTE')) AS callable;
 
 -- name: function_owners
 -- Who the queue's SECURITY DEFINER functions run as.
 SELECT DISTINCT r.rolname::TEXT AS owner, r.rolsuper AS superuser
-FROM pg_proc p
+FROM tq_queue_functions() q
+JOIN pg_proc p ON p.oid = q.signature
 JOIN pg_roles r ON r.oid = p.proowner
-WHERE p.pronamespace = current_schema()::REGNAMESPACE
-  AND p.prosecdef
+WHERE p.prosecdef
 ORDER BY 1;

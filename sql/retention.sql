@@ -1,8 +1,9 @@
 -- Retention (tq_pipelines/retention.py): the horizons as the database's times, and one batch of
 -- deletes per statement, each its own short transaction that skips rows someone else holds. The
 -- batches are functions, so that the worker role, which may not DELETE, can run the prune:
--- prune_tasks (migration 0009; it keeps the hourly rollup of what it deletes), and
--- prune_completion_log, prune_workers and prune_product_history (0010).
+-- prune_tasks (it keeps the hourly rollup of what it deletes), prune_completion_log,
+-- prune_workers and prune_product_history (migration 0009). Each refuses a horizon younger than
+-- its safety floor in tq_retention (min_*_days), which only the admin changes.
 
 -- name: retention_cutoffs
 -- The task horizon is a whole UTC hour, so that each hour of the rollup is whole or frozen.
@@ -10,8 +11,15 @@ SELECT
   date_trunc('hour', now() AT TIME ZONE 'UTC' - make_interval(days => %(tasks_days)s)) AT TIME ZONE 'UTC'
     AS tasks_before,
   (now() AT TIME ZONE 'UTC')::DATE - %(completion_log_days)s::INTEGER AS completion_log_before,
-  now() - make_interval(days => %(workers_days)s) AS workers_before,
-  now() - make_interval(days => %(product_history_days)s) AS product_history_before;
+  -- In UTC, as the prune functions check their floors: a daylight-saving change moves neither.
+  (now() AT TIME ZONE 'UTC' - make_interval(days => %(workers_days)s)) AT TIME ZONE 'UTC' AS workers_before,
+  (now() AT TIME ZONE 'UTC' - make_interval(days => %(product_history_days)s)) AT TIME ZONE 'UTC'
+    AS product_history_before;
+
+-- name: retention_floors
+-- The safety floors in days (migration 0009): no prune function deletes younger rows.
+SELECT min_tasks_days, min_completion_log_days, min_workers_days, min_product_history_days
+FROM tq_retention;
 
 -- name: retention_watermark
 -- Before it the rollup's hours stay as they are; NULL: no task was ever pruned.

@@ -902,6 +902,17 @@ BEGIN
       USING ERRCODE = 'invalid_parameter_value',
             HINT = 'Give the id of the store the platform no longer has.';
   END IF;
+  IF p_platform IS NULL OR btrim(p_platform) = '' OR length(p_platform) > 50 THEN
+    -- As tq_refuse words it (0008), raised here so that 0010 needs no other migration.
+    RAISE EXCEPTION 'mark_store_gone: platform %, got %',
+      CASE WHEN length(p_platform) > 50 THEN 'must be at most 50 characters' ELSE 'must not be empty' END,
+      CASE WHEN p_platform IS NULL THEN 'NULL'
+           WHEN length(p_platform) > 40
+             THEN quote_literal(left(p_platform, 40)) || format('... (%s characters)', length(p_platform))
+           ELSE quote_literal(p_platform) END
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'The store''s platform: a name of 1 to 50 characters (dispensaries.menu_type).';
+  END IF;
   WITH state AS (
     INSERT INTO store_crawl_state (dispensary_id, platform, gone_at)
     VALUES (p_dispensary_id, p_platform, now())
@@ -1104,7 +1115,8 @@ CREATE FUNCTION public.prune_completion_log(p_before date, p_limit integer) RETU
 DECLARE
   v_deleted INTEGER;
 BEGIN
-  PERFORM tq_check_prune('prune_completion_log', p_before::TIMESTAMP AT TIME ZONE 'UTC', p_limit);
+  PERFORM tq_check_prune('prune_completion_log', p_before::TIMESTAMP AT TIME ZONE 'UTC', p_limit,
+    'min_completion_log_days', coalesce(p_before::TEXT, 'NULL'));
   WITH doomed AS (
     SELECT l.id
     FROM task_completion_log l
@@ -1134,7 +1146,7 @@ CREATE FUNCTION public.prune_product_history(p_after_id bigint, p_before timesta
     SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
-  PERFORM tq_check_prune('prune_product_history', p_before, p_limit);
+  PERFORM tq_check_prune('prune_product_history', p_before, p_limit, 'min_product_history_days');
   RETURN QUERY
   WITH page AS (
     SELECT h.id, h.observed_at
@@ -1177,10 +1189,8 @@ DECLARE
   v_ids INTEGER[];
   v_hour TIMESTAMP;
 BEGIN
-  IF p_before IS NULL OR p_before > now() - INTERVAL '1 day'
-     OR date_trunc('hour', p_before AT TIME ZONE 'UTC') <> p_before AT TIME ZONE 'UTC' THEN
-    RAISE EXCEPTION 'prune_tasks: before must be a whole UTC hour at least a day ago, got %',
-      coalesce(p_before::TEXT, 'NULL')
+  IF p_before IS NULL OR date_trunc('hour', p_before AT TIME ZONE 'UTC') <> p_before AT TIME ZONE 'UTC' THEN
+    RAISE EXCEPTION 'prune_tasks: before must be a whole UTC hour, got %', coalesce(p_before::TEXT, 'NULL')
       USING ERRCODE = '22023',
             HINT = 'e.g. date_trunc(''hour'', now() - interval ''30 days''), in UTC';
   END IF;
@@ -1190,6 +1200,7 @@ BEGIN
       USING ERRCODE = '22023',
             HINT = 'a few thousand rows keep each transaction short';
   END IF;
+  PERFORM tq_check_prune('prune_tasks', p_before, p_limit, 'min_tasks_days');
 
   -- One batch at a time: a batch that rolls up an hour must not see another's deletes of it
   -- half-way. The watermark moves in the same transaction as the first delete under it, and
@@ -1284,7 +1295,7 @@ CREATE FUNCTION public.prune_workers(p_before timestamp with time zone, p_limit 
 DECLARE
   v_deleted INTEGER;
 BEGIN
-  PERFORM tq_check_prune('prune_workers', p_before, p_limit);
+  PERFORM tq_check_prune('prune_workers', p_before, p_limit, 'min_workers_days');
   WITH busy AS (
     -- One branch per partial index over active tasks.
     SELECT t.worker_id
@@ -1607,6 +1618,17 @@ BEGIN
       coalesce(p_dispensary_id::TEXT, 'NULL')
       USING ERRCODE = 'invalid_parameter_value',
             HINT = 'Give the id of the store whose entry point was resolved.';
+  END IF;
+  IF p_platform IS NULL OR btrim(p_platform) = '' OR length(p_platform) > 50 THEN
+    -- As tq_refuse words it (0008), raised here so that 0010 needs no other migration.
+    RAISE EXCEPTION 'save_entry_point: platform %, got %',
+      CASE WHEN length(p_platform) > 50 THEN 'must be at most 50 characters' ELSE 'must not be empty' END,
+      CASE WHEN p_platform IS NULL THEN 'NULL'
+           WHEN length(p_platform) > 40
+             THEN quote_literal(left(p_platform, 40)) || format('... (%s characters)', length(p_platform))
+           ELSE quote_literal(p_platform) END
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'The store''s platform: a name of 1 to 50 characters (dispensaries.menu_type).';
   END IF;
   WITH old AS (
     SELECT c.gone_at FROM store_crawl_state c WHERE c.dispensary_id = p_dispensary_id
@@ -1978,17 +2000,38 @@ $$;
 
 
 --
--- Name: tq_check_prune(text, timestamp with time zone, integer); Type: FUNCTION; Schema: public; Owner: -
+-- Name: tq_check_prune(text, timestamp with time zone, integer, text, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.tq_check_prune(p_function text, p_before timestamp with time zone, p_limit integer) RETURNS void
+CREATE FUNCTION public.tq_check_prune(p_function text, p_before timestamp with time zone, p_limit integer, p_floor text, p_shown text DEFAULT NULL::text) RETURNS void
     LANGUAGE plpgsql STABLE
     AS $$
+DECLARE
+  v_days INTEGER;
 BEGIN
-  IF p_before IS NULL OR p_before > now() - INTERVAL '1 day' THEN
-    RAISE EXCEPTION '%: before must be at least a day ago, got %', p_function, coalesce(p_before::TEXT, 'NULL')
+  SELECT CASE p_floor
+           WHEN 'min_tasks_days' THEN k.min_tasks_days
+           WHEN 'min_completion_log_days' THEN k.min_completion_log_days
+           WHEN 'min_workers_days' THEN k.min_workers_days
+           WHEN 'min_product_history_days' THEN k.min_product_history_days
+         END
+  INTO v_days
+  FROM tq_retention k;
+  IF v_days IS NULL THEN
+    -- No row (deleted by hand) or a floor this function does not know: refuse every prune.
+    RAISE EXCEPTION '%: no floor % in tq_retention', p_function, p_floor
       USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'Retention horizons are 1 day or more: rows of the last day are never pruned.';
+            HINT = 'tq_retention holds one row; the admin restores it: '
+                   'INSERT INTO tq_retention DEFAULT VALUES;';
+  END IF;
+  -- In UTC, as the prune computes its horizons: a daylight-saving change does not move the floor.
+  IF p_before IS NULL
+     OR p_before AT TIME ZONE 'UTC' > (now() AT TIME ZONE 'UTC') - make_interval(days => v_days) THEN
+    RAISE EXCEPTION '%: before must be at least % days ago (tq_retention.%), got %',
+      p_function, v_days, p_floor, coalesce(p_shown, p_before::TEXT, 'NULL')
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = format('Rows younger than the floor stay, whoever asks. To prune closer, the admin (the '
+                          'owner of tq_retention) lowers it: UPDATE tq_retention SET %s = <days>;', p_floor);
   END IF;
   IF p_limit IS NULL OR p_limit < 1 OR p_limit > 100000 THEN
     RAISE EXCEPTION '%: limit must be from 1 to 100000 rows, got %', p_function, coalesce(p_limit::TEXT, 'NULL')
@@ -2049,7 +2092,8 @@ CREATE PROCEDURE public.tq_grant_admin(IN p_role name)
     AS $$
 DECLARE
   v_schema TEXT := current_schema();
-  r RECORD;
+  v_statements TEXT[];
+  v_statement TEXT;
 BEGIN
   IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = p_role) THEN
     RAISE EXCEPTION 'tq_grant_admin: role % does not exist', quote_ident(p_role)
@@ -2061,55 +2105,28 @@ BEGIN
             HINT = 'The queue''s functions run with their owner''s rights: give them a role of its own, without SUPERUSER.';
   END IF;
   EXECUTE format('GRANT CONNECT, TEMPORARY ON DATABASE %I TO %I', current_database(), p_role);
-  -- public belongs to pg_database_owner: the admin creates in it; another schema is its own.
-  IF (SELECT nspowner FROM pg_namespace WHERE nspname = v_schema) = 'pg_database_owner'::REGROLE THEN
-    EXECUTE format('GRANT USAGE, CREATE ON SCHEMA %I TO %I', v_schema, p_role);
-  ELSE
-    EXECUTE format('ALTER SCHEMA %I OWNER TO %I', v_schema, p_role);
-  END IF;
-  -- Relations (a table's sequences and indexes go with it), functions and procedures, types.
-  FOR r IN
-    SELECT format('ALTER %s %I.%I OWNER TO %I',
-             CASE c.relkind WHEN 'v' THEN 'VIEW' WHEN 'm' THEN 'MATERIALIZED VIEW'
-                            WHEN 'S' THEN 'SEQUENCE' WHEN 'f' THEN 'FOREIGN TABLE' ELSE 'TABLE' END,
-             v_schema, c.relname, p_role) AS statement
-    FROM pg_class c
-    WHERE c.relnamespace = v_schema::REGNAMESPACE
-      AND c.relkind IN ('r', 'p', 'v', 'm', 'f', 'S')
+  EXECUTE format('GRANT USAGE, CREATE ON SCHEMA %I TO %I', v_schema, p_role);
+  -- Tables and views (their indexes and owned sequences go with them), then functions. Listed
+  -- first: a registry cannot change owner while the query that reads it is open.
+  SELECT array_agg(x.statement) INTO v_statements
+  FROM (
+    SELECT format('ALTER %s %s OWNER TO %I',
+             CASE q.relkind WHEN 'v' THEN 'VIEW' WHEN 'm' THEN 'MATERIALIZED VIEW'
+                            WHEN 'f' THEN 'FOREIGN TABLE' ELSE 'TABLE' END,
+             q.relation, p_role) AS statement
+    FROM tq_queue_relations() q
+    JOIN pg_class c ON c.oid = q.relation
+    WHERE q.relkind <> 'S'
       AND c.relowner <> p_role::REGROLE
-      -- A sequence owned by a column follows its table.
-      AND NOT (c.relkind = 'S' AND EXISTS (
-        SELECT 1 FROM pg_depend d
-        WHERE d.classid = 'pg_class'::REGCLASS AND d.objid = c.oid AND d.deptype IN ('a', 'i')
-          AND d.refclassid = 'pg_class'::REGCLASS))
-      AND NOT EXISTS (
-        SELECT 1 FROM pg_depend e
-        WHERE e.classid = 'pg_class'::REGCLASS AND e.objid = c.oid AND e.deptype = 'e')
     UNION ALL
     SELECT format('ALTER %s %s OWNER TO %I',
-             CASE p.prokind WHEN 'p' THEN 'PROCEDURE' WHEN 'a' THEN 'AGGREGATE' ELSE 'FUNCTION' END,
-             p.oid::REGPROCEDURE, p_role)
-    FROM pg_proc p
-    WHERE p.pronamespace = v_schema::REGNAMESPACE
-      AND p.proowner <> p_role::REGROLE
-      AND NOT EXISTS (
-        SELECT 1 FROM pg_depend e
-        WHERE e.classid = 'pg_proc'::REGCLASS AND e.objid = p.oid AND e.deptype = 'e')
-    UNION ALL
-    SELECT format('ALTER %s %I.%I OWNER TO %I',
-             CASE t.typtype WHEN 'd' THEN 'DOMAIN' ELSE 'TYPE' END, v_schema, t.typname, p_role)
-    FROM pg_type t
-    LEFT JOIN pg_class c ON c.oid = t.typrelid
-    WHERE t.typnamespace = v_schema::REGNAMESPACE
-      AND t.typowner <> p_role::REGROLE
-      AND (t.typrelid = 0 OR c.relkind = 'c')
-      AND NOT EXISTS (SELECT 1 FROM pg_type elem WHERE elem.typarray = t.oid)
-      AND NOT EXISTS (SELECT 1 FROM pg_range mr WHERE mr.rngmultitypid = t.oid)
-      AND NOT EXISTS (
-        SELECT 1 FROM pg_depend e
-        WHERE e.classid = 'pg_type'::REGCLASS AND e.objid = t.oid AND e.deptype = 'e')
-  LOOP
-    EXECUTE r.statement;
+             CASE q.prokind WHEN 'p' THEN 'PROCEDURE' ELSE 'FUNCTION' END, q.signature, p_role)
+    FROM tq_queue_functions() q
+    JOIN pg_proc p ON p.oid = q.signature
+    WHERE p.proowner <> p_role::REGROLE
+  ) x;
+  FOREACH v_statement IN ARRAY coalesce(v_statements, '{}') LOOP
+    EXECUTE v_statement;
   END LOOP;
 END;
 $$;
@@ -2137,7 +2154,7 @@ DECLARE
     'store_crawl_state',    -- store_entry_point
     'store_analytics',      -- analytics_summary (analytics_refresh), store freshness
     'product_history',      -- count_prunable_product_history (a dry-run prune)
-    'tq_retention',         -- retention_watermark
+    'tq_retention',         -- retention_watermark, retention_floors
     'v_worker_capacity',    -- TaskQueue.capacity: queue_health_sensor, tq status
     'v_platform_status',    -- TaskQueue.platform_status: the platform sensors, tq platforms
     'v_store_freshness',    -- store freshness
@@ -2155,27 +2172,48 @@ BEGIN
       USING ERRCODE = 'invalid_parameter_value',
             HINT = 'Give the worker a role of its own, with LOGIN and no other attribute.';
   END IF;
-  -- A role that is, or can become, an owner of the queue's objects has all their rights.
+  -- The database's owner is implicitly a member of pg_database_owner, which owns schema public:
+  -- it may DROP the queue's tables there, and take CONNECT from others.
+  IF pg_has_role(p_role, (SELECT d.datdba FROM pg_database d WHERE d.datname = current_database()), 'MEMBER')
+  THEN
+    RAISE EXCEPTION 'tq_grant_worker: worker role % owns database %, or is a member of its owner %',
+      quote_ident(p_role), quote_ident(current_database()),
+      (SELECT d.datdba::REGROLE::TEXT FROM pg_database d WHERE d.datname = current_database())
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = format('Give the worker a role of its own that owns no database, or give the database '
+                          'another owner: ALTER DATABASE %I OWNER TO <the admin role>;', current_database());
+  END IF;
+  -- A role that is, or can become, an owner of the queue's objects or of its schema has all
+  -- their rights.
   SELECT o.owner::REGROLE::TEXT INTO v_owner
   FROM (
-    SELECT c.relowner AS owner FROM pg_class c WHERE c.relnamespace = v_schema::REGNAMESPACE
+    SELECT c.relowner AS owner FROM tq_queue_relations() q JOIN pg_class c ON c.oid = q.relation
     UNION
-    SELECT p.proowner FROM pg_proc p WHERE p.pronamespace = v_schema::REGNAMESPACE
+    SELECT p.proowner FROM tq_queue_functions() q JOIN pg_proc p ON p.oid = q.signature
     UNION
-    SELECT n.nspowner FROM pg_namespace n WHERE n.nspname = v_schema AND n.nspname <> 'public'
+    SELECT n.nspowner FROM pg_namespace n WHERE n.nspname = v_schema
   ) o
   WHERE pg_has_role(p_role, o.owner, 'MEMBER')
   LIMIT 1;
   IF v_owner IS NOT NULL THEN
-    RAISE EXCEPTION 'tq_grant_worker: worker role % is, or is a member of, %, which owns objects of schema %',
+    RAISE EXCEPTION
+      'tq_grant_worker: worker role % is, or is a member of, %, which owns schema % or objects of the queue in it',
       quote_ident(p_role), v_owner, v_schema
       USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'Give the worker a role of its own, member of no role that owns the queue.';
+            HINT = 'Give the worker a role of its own, member of no role that owns the queue or its schema.';
   END IF;
 
-  EXECUTE format('REVOKE ALL ON ALL TABLES IN SCHEMA %I FROM %I', v_schema, p_role);
-  EXECUTE format('REVOKE ALL ON ALL SEQUENCES IN SCHEMA %I FROM %I', v_schema, p_role);
-  EXECUTE format('REVOKE ALL ON ALL ROUTINES IN SCHEMA %I FROM %I', v_schema, p_role);
+  FOR r IN
+    SELECT format('REVOKE ALL ON %s %s FROM %I',
+             CASE q.relkind WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END, q.relation, p_role) AS statement
+    FROM tq_queue_relations() q
+    UNION ALL
+    SELECT format('REVOKE ALL ON %s %s FROM %I',
+             CASE q.prokind WHEN 'p' THEN 'PROCEDURE' ELSE 'FUNCTION' END, q.signature, p_role)
+    FROM tq_queue_functions() q
+  LOOP
+    EXECUTE r.statement;
+  END LOOP;
   EXECUTE format('REVOKE CREATE ON SCHEMA %I FROM %I', v_schema, p_role);
   -- PUBLIC has CONNECT unless the database's owner took it away; only the owner may give it.
   IF NOT has_database_privilege(p_role, current_database(), 'CONNECT') THEN
@@ -2183,21 +2221,19 @@ BEGIN
   END IF;
   EXECUTE format('GRANT USAGE ON SCHEMA %I TO %I', v_schema, p_role);
   FOR r IN
-    SELECT c.relname
-    FROM pg_class c
-    WHERE c.relnamespace = v_schema::REGNAMESPACE
-      AND c.relname = ANY (v_reads)
-      AND c.relkind IN ('r', 'p', 'v', 'm')
+    SELECT q.relation
+    FROM tq_queue_relations() q
+    JOIN pg_class c ON c.oid = q.relation
+    WHERE c.relname = ANY (v_reads)
+      AND q.relkind <> 'S'
     ORDER BY c.relname
   LOOP
-    EXECUTE format('GRANT SELECT ON %I.%I TO %I', v_schema, r.relname, p_role);
+    EXECUTE format('GRANT SELECT ON %s TO %I', r.relation, p_role);
   END LOOP;
   FOR r IN
-    SELECT p.oid::REGPROCEDURE AS signature, p.prokind
-    FROM pg_proc p
-    WHERE p.pronamespace = v_schema::REGNAMESPACE
-      AND p.prosecdef
-    ORDER BY p.oid
+    SELECT q.signature, q.prokind
+    FROM tq_queue_functions() q
+    WHERE q.is_api AND NOT q.is_trigger
   LOOP
     EXECUTE format('GRANT EXECUTE ON %s %s TO %I',
       CASE r.prokind WHEN 'p' THEN 'PROCEDURE' ELSE 'FUNCTION' END, r.signature, p_role);
@@ -2391,6 +2427,58 @@ BEGIN
   ) c
   WHERE l.platform = c.platform;
 END;
+$$;
+
+
+--
+-- Name: tq_queue_functions(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_queue_functions() RETURNS TABLE(signature regprocedure, prokind "char", is_api boolean, is_trigger boolean)
+    LANGUAGE sql STABLE
+    AS $$
+  SELECT
+    p.oid::REGPROCEDURE,
+    p.prokind,
+    EXISTS (SELECT 1 FROM tq_api a WHERE a.function_name = p.proname),
+    p.prorettype = 'trigger'::REGTYPE
+  FROM pg_proc p
+  WHERE p.pronamespace = current_schema()::REGNAMESPACE
+    AND p.prokind IN ('f', 'p')
+    AND (p.proname LIKE 'tq\_%' OR EXISTS (SELECT 1 FROM tq_api a WHERE a.function_name = p.proname))
+    AND NOT EXISTS (
+      SELECT 1 FROM pg_depend e
+      WHERE e.classid = 'pg_proc'::REGCLASS AND e.objid = p.oid AND e.deptype = 'e')
+  ORDER BY p.oid
+$$;
+
+
+--
+-- Name: tq_queue_relations(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_queue_relations() RETURNS TABLE(relation regclass, relkind "char")
+    LANGUAGE sql STABLE
+    AS $$
+  WITH own AS (
+    SELECT c.oid, c.relkind
+    FROM pg_class c
+    WHERE c.relnamespace = current_schema()::REGNAMESPACE
+      AND c.relkind IN ('r', 'p', 'v', 'm', 'f')
+      AND (c.relname LIKE 'tq\_%' OR EXISTS (SELECT 1 FROM tq_relations r WHERE r.relation_name = c.relname))
+      AND NOT EXISTS (
+        SELECT 1 FROM pg_depend e
+        WHERE e.classid = 'pg_class'::REGCLASS AND e.objid = c.oid AND e.deptype = 'e')
+  )
+  SELECT o.oid::REGCLASS, o.relkind FROM own o
+  UNION ALL
+  SELECT s.oid::REGCLASS, s.relkind
+  FROM pg_class s
+  JOIN pg_depend d
+    ON d.classid = 'pg_class'::REGCLASS AND d.objid = s.oid AND d.deptype IN ('a', 'i')
+   AND d.refclassid = 'pg_class'::REGCLASS
+  JOIN own o ON o.oid = d.refobjid
+  WHERE s.relkind = 'S'
 $$;
 
 
@@ -2626,23 +2714,16 @@ BEGIN
   END IF;
   FOR f IN
     SELECT
-      p.oid::REGPROCEDURE AS signature,
-      p.prokind,
-      p.prorettype = 'trigger'::REGTYPE AS is_trigger,
-      p.proname NOT LIKE 'tq\_%' AS is_api,
+      q.signature,
+      q.prokind,
+      q.is_api AND NOT q.is_trigger AS hardened,
       p.prosecdef AND ('search_path=' || v_path) = ANY (coalesce(p.proconfig, '{}')) AS is_secured
-    FROM pg_proc p
-    WHERE p.pronamespace = current_schema()::REGNAMESPACE
-      AND p.prokind IN ('f', 'p')
-      AND NOT EXISTS (
-        SELECT 1 FROM pg_depend d
-        WHERE d.classid = 'pg_proc'::REGCLASS AND d.objid = p.oid AND d.deptype = 'e'
-      )
-    ORDER BY p.oid
+    FROM tq_queue_functions() q
+    JOIN pg_proc p ON p.oid = q.signature
   LOOP
     v_kind := CASE f.prokind WHEN 'p' THEN 'PROCEDURE' ELSE 'FUNCTION' END;
     EXECUTE format('REVOKE EXECUTE ON %s %s FROM PUBLIC', v_kind, f.signature);
-    IF f.is_api AND NOT f.is_trigger AND NOT f.is_secured THEN
+    IF f.hardened AND NOT f.is_secured THEN
       -- SET adds to the function's other settings (claim_tasks' plan_cache_mode stays).
       EXECUTE format('ALTER %s %s SECURITY DEFINER SET search_path = %s', v_kind, f.signature, v_path);
     END IF;
@@ -3227,6 +3308,40 @@ ALTER SEQUENCE public.task_completion_log_id_seq OWNED BY public.task_completion
 
 
 --
+-- Name: tq_api; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.tq_api (
+    function_name text NOT NULL,
+    CONSTRAINT tq_api_function_name_check CHECK ((function_name !~~ 'tq\_%'::text))
+);
+
+
+--
+-- Name: TABLE tq_api; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON TABLE public.tq_api IS 'The queue''s functions not named tq_*: SECURITY DEFINER, search_path pinned, callable by its worker';
+
+
+--
+-- Name: tq_relations; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.tq_relations (
+    relation_name text NOT NULL,
+    CONSTRAINT tq_relations_relation_name_check CHECK ((relation_name !~~ 'tq\_%'::text))
+);
+
+
+--
+-- Name: TABLE tq_relations; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON TABLE public.tq_relations IS 'The queue''s tables and views (but tq_*, the queue''s by name): owned by its admin, closed to PUBLIC';
+
+
+--
 -- Name: tq_retention; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -3234,7 +3349,16 @@ CREATE TABLE public.tq_retention (
     id boolean DEFAULT true NOT NULL,
     tasks_pruned_before timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    min_tasks_days integer DEFAULT 7 NOT NULL,
+    min_completion_log_days integer DEFAULT 90 NOT NULL,
+    min_workers_days integer DEFAULT 1 NOT NULL,
+    min_product_history_days integer DEFAULT 30 NOT NULL,
     CONSTRAINT tq_retention_id_check CHECK (id),
+    CONSTRAINT tq_retention_min_completion_log_days_check CHECK (((min_completion_log_days >= 1) AND (min_completion_log_days <= 36500))),
+    CONSTRAINT tq_retention_min_product_history_days_check CHECK (((min_product_history_days >= 1) AND (min_product_history_days <= 36500))),
+    CONSTRAINT tq_retention_min_tasks_days_check CHECK (((min_tasks_days >= 1) AND (min_tasks_days <= 36500))),
+    CONSTRAINT tq_retention_min_workers_days_check CHECK (((min_workers_days >= 1) AND (min_workers_days <= 36500))),
+    CONSTRAINT tq_retention_rollup_outlives_tasks CHECK ((min_completion_log_days >= min_tasks_days)),
     CONSTRAINT tq_retention_tasks_pruned_before_check CHECK (((tasks_pruned_before = '-infinity'::timestamp with time zone) OR (date_trunc('hour'::text, (tasks_pruned_before AT TIME ZONE 'UTC'::text)) = (tasks_pruned_before AT TIME ZONE 'UTC'::text))))
 );
 
@@ -3244,6 +3368,34 @@ CREATE TABLE public.tq_retention (
 --
 
 COMMENT ON TABLE public.tq_retention IS 'One row: finished tasks were pruned up to tasks_pruned_before; task_completion_log keeps the hours before it as they are';
+
+
+--
+-- Name: COLUMN tq_retention.min_tasks_days; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.tq_retention.min_tasks_days IS 'prune_tasks refuses a horizon younger than this many days; the admin lowers or raises it';
+
+
+--
+-- Name: COLUMN tq_retention.min_completion_log_days; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.tq_retention.min_completion_log_days IS 'prune_completion_log refuses a horizon younger than this many days (at least min_tasks_days)';
+
+
+--
+-- Name: COLUMN tq_retention.min_workers_days; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.tq_retention.min_workers_days IS 'prune_workers refuses a horizon younger than this many days';
+
+
+--
+-- Name: COLUMN tq_retention.min_product_history_days; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.tq_retention.min_product_history_days IS 'prune_product_history refuses a horizon younger than this many days';
 
 
 --
@@ -3591,11 +3743,81 @@ ALTER TABLE ONLY public.worker_tasks ALTER COLUMN id SET DEFAULT nextval('public
 
 
 --
+-- Data for Name: tq_api; Type: TABLE DATA; Schema: public; Owner: -
+--
+
+INSERT INTO public.tq_api (function_name) VALUES
+	('cancel_task'),
+	('claim_task'),
+	('claim_tasks'),
+	('claim_wait'),
+	('complete_task'),
+	('complete_task_tx'),
+	('complete_tasks'),
+	('complete_tasks_timed'),
+	('defer_task'),
+	('deregister_worker'),
+	('enqueue_demo_resyncs'),
+	('enqueue_task'),
+	('enqueue_task_once'),
+	('expire_leases'),
+	('fail_task'),
+	('generate_resync_tasks'),
+	('heartbeat_tasks'),
+	('mark_store_gone'),
+	('platform_answered'),
+	('platform_error'),
+	('platform_release'),
+	('platform_request'),
+	('prune_completion_log'),
+	('prune_product_history'),
+	('prune_tasks'),
+	('prune_workers'),
+	('recover_stale_tasks'),
+	('recover_stale_tasks_report'),
+	('refresh_store_analytics'),
+	('refresh_task_completion_log'),
+	('register_worker'),
+	('repair_platform_counters'),
+	('save_entry_point'),
+	('start_task'),
+	('start_tasks'),
+	('store_menu'),
+	('sync_platform_limits'),
+	('task_still_owned'),
+	('upsert_listed_stores'),
+	('worker_completed'),
+	('update_worker_tasks_timestamp');
+
+
+--
+-- Data for Name: tq_relations; Type: TABLE DATA; Schema: public; Owner: -
+--
+
+INSERT INTO public.tq_relations (relation_name) VALUES
+	('worker_tasks'),
+	('worker_task_roles'),
+	('worker_task_heads'),
+	('worker_task_stores'),
+	('worker_registry'),
+	('task_completion_log'),
+	('dispensaries'),
+	('products'),
+	('product_history'),
+	('store_analytics'),
+	('store_crawl_state'),
+	('v_worker_capacity'),
+	('v_platform_status'),
+	('v_store_freshness'),
+	('v_task_history');
+
+
+--
 -- Data for Name: tq_retention; Type: TABLE DATA; Schema: public; Owner: -
 --
 
-INSERT INTO public.tq_retention (id, tasks_pruned_before, updated_at) VALUES
-	(true, '-infinity', '-infinity');
+INSERT INTO public.tq_retention (id, tasks_pruned_before, updated_at, min_tasks_days, min_completion_log_days, min_workers_days, min_product_history_days) VALUES
+	(true, '-infinity', '-infinity', 7, 90, 1, 30);
 
 
 --
@@ -3683,11 +3905,27 @@ ALTER TABLE ONLY public.task_completion_log
 
 
 --
+-- Name: tq_api tq_api_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.tq_api
+    ADD CONSTRAINT tq_api_pkey PRIMARY KEY (function_name);
+
+
+--
 -- Name: tq_platforms tq_platforms_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
 ALTER TABLE ONLY public.tq_platforms
     ADD CONSTRAINT tq_platforms_pkey PRIMARY KEY (platform);
+
+
+--
+-- Name: tq_relations tq_relations_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.tq_relations
+    ADD CONSTRAINT tq_relations_pkey PRIMARY KEY (relation_name);
 
 
 --

@@ -120,10 +120,14 @@ def prune(
     log: logging.Logger | None = None,
 ) -> PruneReport:
     """Delete what is past each table's horizon, in batches; returns per table the rows deleted,
-    batches and seconds. A dry run counts the rows instead and deletes nothing."""
+    batches and seconds. A dry run counts the rows instead and deletes nothing.
+
+    Raises RetentionSettingsError, before anything is deleted, when a horizon is younger than the
+    database's safety floor for its table (tq_retention.min_*_days, the admin's to change)."""
     settings = settings or RetentionSettings()
     log = log or logging.getLogger(__name__)
     with _cursor(conninfo_or_queue) as cur:
+        _check_floors(cur, settings)
         report = PruneReport(
             dry_run=dry_run, cutoffs=_one(cur, "retention_cutoffs", dataclasses.asdict(settings))
         )
@@ -157,6 +161,28 @@ def _cursor(target: str | TaskQueue) -> Iterator[Cursor]:
     else:
         with psycopg.connect(target, autocommit=True) as conn, conn.cursor(row_factory=dict_row) as cur:
             yield cur
+
+
+# Each setting and its floor in tq_retention.
+FLOORS = {
+    "tasks_days": "min_tasks_days",
+    "completion_log_days": "min_completion_log_days",
+    "workers_days": "min_workers_days",
+    "product_history_days": "min_product_history_days",
+}
+
+
+def _check_floors(cur: Cursor, settings: RetentionSettings) -> None:
+    """Refuse, in words, a horizon the prune functions would refuse (migration 0009's floors)."""
+    floors = _one(cur, "retention_floors", {})
+    for setting, column in FLOORS.items():
+        days, floor = getattr(settings, setting), floors[column]
+        if days < floor:
+            raise RetentionSettingsError(
+                f"{setting} must be at least {floor} days in this database (tq_retention.{column}), "
+                f"got {days}: rows younger than the floor are never pruned. To prune closer, the admin "
+                f"(the owner of tq_retention) lowers it: UPDATE tq_retention SET {column} = {days};"
+            )
 
 
 def _count(cur: Cursor, settings: RetentionSettings, report: PruneReport) -> None:
@@ -234,6 +260,11 @@ def _delete(cur: Cursor, settings: RetentionSettings, report: PruneReport) -> No
 
 
 def _one(cur: Cursor, name: str, params: dict[str, Any]) -> dict[str, Any]:
-    row = cur.execute(query(name), params).fetchone()
+    try:
+        row = cur.execute(query(name), params).fetchone()
+    except psycopg.errors.InvalidParameterValue as exc:
+        # A floor raised by the admin during the prune: the function's own words and hint.
+        hint = exc.diag.message_hint
+        raise RetentionSettingsError(f"{exc.diag.message_primary}" + (f" ({hint})" if hint else "")) from None
     assert row is not None, name
     return row

@@ -12,6 +12,10 @@
 --   its hour ended), so nothing is lost even if the hourly asset never ran.
 -- - worker_registry, product_history and task_completion_log are pruned by the prune's other
 --   batches (sql/retention.sql), in the same way.
+-- - Every prune function refuses a horizon younger than its safety floor (tq_retention's
+--   min_*_days: 7 days of tasks, 90 of the rollup, 1 of silent workers, 30 of product history),
+--   whoever calls it. The worker role may call them (0010) but not change the floors; the admin
+--   does: UPDATE tq_retention SET min_tasks_days = 3;
 
 CREATE TABLE IF NOT EXISTS tq_retention (
   id BOOLEAN PRIMARY KEY DEFAULT true CHECK (id),
@@ -19,13 +23,36 @@ CREATE TABLE IF NOT EXISTS tq_retention (
     -- A whole UTC hour: every hour is then either all there or frozen.
     CHECK (tasks_pruned_before = '-infinity'
            OR date_trunc('hour', tasks_pruned_before AT TIME ZONE 'UTC') = tasks_pruned_before AT TIME ZONE 'UTC'),
-  updated_at TIMESTAMPTZ NOT NULL DEFAULT now()
+  updated_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+  -- Safety floors, in days: no prune function deletes rows younger than these, whoever calls it.
+  -- The prune functions are SECURITY DEFINER and the worker role may call them; the floors are
+  -- what keeps a worker (or a wrong setting) from erasing the history. Only the admin, who owns
+  -- this table, changes them: UPDATE tq_retention SET min_tasks_days = 3;
+  -- Finished tasks (prune_tasks).
+  min_tasks_days INTEGER NOT NULL DEFAULT 7 CHECK (min_tasks_days BETWEEN 1 AND 36500),
+  -- The hourly rollup (prune_completion_log): it outlives the tasks it counts.
+  min_completion_log_days INTEGER NOT NULL DEFAULT 90
+    CHECK (min_completion_log_days BETWEEN 1 AND 36500),
+  -- Registry rows of silent workers (prune_workers); a busy worker's row is never pruned.
+  min_workers_days INTEGER NOT NULL DEFAULT 1 CHECK (min_workers_days BETWEEN 1 AND 36500),
+  -- Price and stock changes (prune_product_history).
+  min_product_history_days INTEGER NOT NULL DEFAULT 30
+    CHECK (min_product_history_days BETWEEN 1 AND 36500),
+  CONSTRAINT tq_retention_rollup_outlives_tasks CHECK (min_completion_log_days >= min_tasks_days)
 );
 -- updated_at -infinity: never pruned (and the seed row the same in every database).
 INSERT INTO tq_retention (id, updated_at) VALUES (true, '-infinity') ON CONFLICT (id) DO NOTHING;
 
 COMMENT ON TABLE tq_retention IS
   'One row: finished tasks were pruned up to tasks_pruned_before; task_completion_log keeps the hours before it as they are';
+COMMENT ON COLUMN tq_retention.min_tasks_days IS
+  'prune_tasks refuses a horizon younger than this many days; the admin lowers or raises it';
+COMMENT ON COLUMN tq_retention.min_completion_log_days IS
+  'prune_completion_log refuses a horizon younger than this many days (at least min_tasks_days)';
+COMMENT ON COLUMN tq_retention.min_workers_days IS
+  'prune_workers refuses a horizon younger than this many days';
+COMMENT ON COLUMN tq_retention.min_product_history_days IS
+  'prune_product_history refuses a horizon younger than this many days';
 
 -- Cancelled tasks are outside idx_worker_tasks_finished; without this each prune batch of them
 -- would scan the table. Partial: it costs only the rows it holds. Building it reads the whole
@@ -112,21 +139,19 @@ END;
 $$ LANGUAGE plpgsql;
 
 -- Deletes one batch of at most p_limit finished tasks (completed, failed or cancelled) that
--- finished, and were created, before p_before (a whole UTC hour, at least a day ago), in one
--- transaction, skipping rows another transaction holds. First it moves the watermark to
--- p_before and makes the rollup of each hour the batch touches if it is missing or was made
--- before its hour ended. Returns the tasks deleted (0: nothing left to prune but held rows)
--- and the hours rolled up.
+-- finished, and were created, before p_before (a whole UTC hour, at least
+-- tq_retention.min_tasks_days ago), in one transaction, skipping rows another transaction holds.
+-- First it moves the watermark to p_before and makes the rollup of each hour the batch touches
+-- if it is missing or was made before its hour ended. Returns the tasks deleted (0: nothing left
+-- to prune but held rows) and the hours rolled up.
 CREATE OR REPLACE FUNCTION prune_tasks(p_before TIMESTAMPTZ, p_limit INTEGER)
 RETURNS TABLE (deleted INTEGER, hours_rolled_up INTEGER) AS $$
 DECLARE
   v_ids INTEGER[];
   v_hour TIMESTAMP;
 BEGIN
-  IF p_before IS NULL OR p_before > now() - INTERVAL '1 day'
-     OR date_trunc('hour', p_before AT TIME ZONE 'UTC') <> p_before AT TIME ZONE 'UTC' THEN
-    RAISE EXCEPTION 'prune_tasks: before must be a whole UTC hour at least a day ago, got %',
-      coalesce(p_before::TEXT, 'NULL')
+  IF p_before IS NULL OR date_trunc('hour', p_before AT TIME ZONE 'UTC') <> p_before AT TIME ZONE 'UTC' THEN
+    RAISE EXCEPTION 'prune_tasks: before must be a whole UTC hour, got %', coalesce(p_before::TEXT, 'NULL')
       USING ERRCODE = '22023',
             HINT = 'e.g. date_trunc(''hour'', now() - interval ''30 days''), in UTC';
   END IF;
@@ -136,6 +161,7 @@ BEGIN
       USING ERRCODE = '22023',
             HINT = 'a few thousand rows keep each transaction short';
   END IF;
+  PERFORM tq_check_prune('prune_tasks', p_before, p_limit, 'min_tasks_days');
 
   -- One batch at a time: a batch that rolls up an hour must not see another's deletes of it
   -- half-way. The watermark moves in the same transaction as the first delete under it, and
@@ -221,22 +247,47 @@ $$ LANGUAGE plpgsql;
 ------------------------------------------------------------------------------------------------
 -- The prune job's other batches (sql/retention.sql), as functions like prune_tasks: a batch
 -- deletes and locks rows (FOR UPDATE SKIP LOCKED), and the worker role that runs the prune job
--- holds no DELETE or UPDATE rights (0010). Nothing of
--- the last day is theirs to delete (retention horizons are a day at least), so a worker cannot
--- use them to empty a table.
+-- holds no DELETE or UPDATE rights (0010). None deletes rows younger than its floor in
+-- tq_retention (min_*_days), which only the admin changes, so a worker cannot use them to empty
+-- a table, nor a mistyped setting erase the history.
 ------------------------------------------------------------------------------------------------
 
--- p_limit: rows per batch, as the prune's batch_size. Refuses what a prune never asks.
+-- p_before: the horizon, rows before it go; p_limit: rows per batch, as the prune's batch_size;
+-- p_floor: the tq_retention column of the caller's floor; p_shown: p_before as the caller gave
+-- it, for the message. Refuses what a prune never asks.
 CREATE OR REPLACE FUNCTION tq_check_prune(
   p_function TEXT,
   p_before TIMESTAMPTZ,
-  p_limit INTEGER
+  p_limit INTEGER,
+  p_floor TEXT,
+  p_shown TEXT DEFAULT NULL
 ) RETURNS VOID AS $$
+DECLARE
+  v_days INTEGER;
 BEGIN
-  IF p_before IS NULL OR p_before > now() - INTERVAL '1 day' THEN
-    RAISE EXCEPTION '%: before must be at least a day ago, got %', p_function, coalesce(p_before::TEXT, 'NULL')
+  SELECT CASE p_floor
+           WHEN 'min_tasks_days' THEN k.min_tasks_days
+           WHEN 'min_completion_log_days' THEN k.min_completion_log_days
+           WHEN 'min_workers_days' THEN k.min_workers_days
+           WHEN 'min_product_history_days' THEN k.min_product_history_days
+         END
+  INTO v_days
+  FROM tq_retention k;
+  IF v_days IS NULL THEN
+    -- No row (deleted by hand) or a floor this function does not know: refuse every prune.
+    RAISE EXCEPTION '%: no floor % in tq_retention', p_function, p_floor
       USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'Retention horizons are 1 day or more: rows of the last day are never pruned.';
+            HINT = 'tq_retention holds one row; the admin restores it: '
+                   'INSERT INTO tq_retention DEFAULT VALUES;';
+  END IF;
+  -- In UTC, as the prune computes its horizons: a daylight-saving change does not move the floor.
+  IF p_before IS NULL
+     OR p_before AT TIME ZONE 'UTC' > (now() AT TIME ZONE 'UTC') - make_interval(days => v_days) THEN
+    RAISE EXCEPTION '%: before must be at least % days ago (tq_retention.%), got %',
+      p_function, v_days, p_floor, coalesce(p_shown, p_before::TEXT, 'NULL')
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = format('Rows younger than the floor stay, whoever asks. To prune closer, the admin (the '
+                          'owner of tq_retention) lowers it: UPDATE tq_retention SET %s = <days>;', p_floor);
   END IF;
   IF p_limit IS NULL OR p_limit < 1 OR p_limit > 100000 THEN
     RAISE EXCEPTION '%: limit must be from 1 to 100000 rows, got %', p_function, coalesce(p_limit::TEXT, 'NULL')
@@ -247,13 +298,16 @@ END;
 $$ LANGUAGE plpgsql STABLE;
 
 -- One batch of the rollup's rows of days before p_before; returns how many went. The rollup is
--- small (a row per role and hour): no index on date is worth its upkeep.
+-- small (a row per role and hour): no index on date is worth its upkeep. Its floor is what keeps
+-- the rollup of pruned hours, which cannot be made again: min_completion_log_days is at least
+-- min_tasks_days, and the rollup of an hour whose tasks are still there can be recomputed.
 CREATE OR REPLACE FUNCTION prune_completion_log(p_before DATE, p_limit INTEGER)
 RETURNS INTEGER AS $$
 DECLARE
   v_deleted INTEGER;
 BEGIN
-  PERFORM tq_check_prune('prune_completion_log', p_before::TIMESTAMP AT TIME ZONE 'UTC', p_limit);
+  PERFORM tq_check_prune('prune_completion_log', p_before::TIMESTAMP AT TIME ZONE 'UTC', p_limit,
+    'min_completion_log_days', coalesce(p_before::TEXT, 'NULL'));
   WITH doomed AS (
     SELECT l.id
     FROM task_completion_log l
@@ -281,7 +335,7 @@ RETURNS INTEGER AS $$
 DECLARE
   v_deleted INTEGER;
 BEGIN
-  PERFORM tq_check_prune('prune_workers', p_before, p_limit);
+  PERFORM tq_check_prune('prune_workers', p_before, p_limit, 'min_workers_days');
   WITH busy AS (
     -- One branch per partial index over active tasks.
     SELECT t.worker_id
@@ -319,7 +373,7 @@ $$ LANGUAGE plpgsql;
 CREATE OR REPLACE FUNCTION prune_product_history(p_after_id BIGINT, p_before TIMESTAMPTZ, p_limit INTEGER)
 RETURNS TABLE (deleted INTEGER, last_id BIGINT, reached_young BOOLEAN) AS $$
 BEGIN
-  PERFORM tq_check_prune('prune_product_history', p_before, p_limit);
+  PERFORM tq_check_prune('prune_product_history', p_before, p_limit, 'min_product_history_days');
   RETURN QUERY
   WITH page AS (
     SELECT h.id, h.observed_at

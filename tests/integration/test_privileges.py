@@ -72,7 +72,10 @@ INVOKER_FUNCTIONS = {
     "tq_retry_delay",
     # the rollup of one hour, under refresh_task_completion_log and prune_tasks (0009)
     "tq_rollup_hour",
-    # the admin's: `tq grant` and the end of every migration (0010)
+    # the admin's: `tq grant` and the end of every migration (0010), and the queue's objects
+    # they act on (the registries tq_relations and tq_api)
+    "tq_queue_relations",
+    "tq_queue_functions",
     "tq_secure_functions",
     "tq_grant_admin",
     "tq_grant_worker",
@@ -205,6 +208,7 @@ def test_secure_functions_restores_what_a_later_migration_resets(conn: psycopg.C
     assert plain != definition
     conn.execute(plain)
     conn.execute("CREATE FUNCTION later_api() RETURNS INTEGER AS $$ SELECT 1 $$ LANGUAGE sql")
+    conn.execute("INSERT INTO tq_api (function_name) VALUES ('later_api')")
     conn.execute("CREATE FUNCTION tq_later_helper() RETURNS INTEGER AS $$ SELECT 1 $$ LANGUAGE sql")
     wrong = unsecured(conn)
     assert any(w.startswith("worker_completed(") for w in wrong)
@@ -415,17 +419,29 @@ def test_task_still_owned_locks_the_task_until_the_handlers_commit(worker_url: s
         assert w.execute("SELECT owned FROM task_still_owned(%s, %s)", (task.id, "w-2")).fetchall() == []
 
 
-def test_the_prune_batches_delete_only_what_is_past_a_day(worker_url: str, conn: psycopg.Connection):
-    long_ago = datetime.now(UTC) - timedelta(days=30)
+def test_the_prune_batches_delete_only_what_is_past_their_floors(worker_url: str, conn: psycopg.Connection):
+    """The prune functions are the worker's, so tq_retention's floors (7 days of tasks, 90 of the
+    rollup, 1 of silent workers, 30 of product history) are all that keeps it from erasing the
+    history: a younger horizon is refused, and nothing goes."""
+    long_ago = datetime.now(UTC) - timedelta(days=400)
+    young = datetime.now(UTC) - timedelta(hours=1)
     (store,) = add_stores(conn, 1)
+    # A finished task, a rollup row, a silent worker and a history row, each just younger than
+    # its floor but older than a day, and one of each long ago.
     conn.execute(
-        "INSERT INTO task_completion_log (role, date, hour) VALUES (%s, %s, 1), (%s, current_date, 1)",
+        "INSERT INTO worker_tasks (role, status, created_at, started_at, completed_at) "
+        "VALUES (%s, 'completed', %s, %s, %s), (%s, 'completed', now() - interval '6 days',"
+        " now() - interval '6 days', now() - interval '6 days')",
+        (ROLE, long_ago, long_ago, long_ago, ROLE),
+    )
+    conn.execute(
+        "INSERT INTO task_completion_log (role, date, hour) VALUES (%s, %s, 1), (%s, current_date - 89, 1)",
         (ROLE, long_ago.date(), ROLE),
     )
     conn.execute(
         "INSERT INTO worker_registry (worker_id, role, started_at, last_heartbeat_at) "
-        "VALUES ('gone', %s, %s, %s), ('here', %s, now(), now())",
-        (ROLE, long_ago, long_ago, ROLE),
+        "VALUES ('gone', %s, %s, %s), ('lately', %s, %s, %s)",
+        (ROLE, long_ago, long_ago, ROLE, young, young),
     )
     conn.execute(
         "INSERT INTO products (dispensary_id, external_id, name, category, price, in_stock) "
@@ -434,27 +450,66 @@ def test_the_prune_batches_delete_only_what_is_past_a_day(worker_url: str, conn:
     )
     conn.execute(
         "INSERT INTO product_history (product_id, dispensary_id, observed_at, change) "
-        "SELECT id, %s, t, 'new' FROM products CROSS JOIN (VALUES (%s::TIMESTAMPTZ), (now())) v (t)",
+        "SELECT id, %s, t, 'new' FROM products "
+        "CROSS JOIN (VALUES (%s::TIMESTAMPTZ), (now() - interval '29 days')) v (t)",
         (store, long_ago),
     )
-    before = datetime.now(UTC) - timedelta(days=7)
+    counts = (
+        "SELECT (SELECT count(*) FROM worker_tasks), (SELECT count(*) FROM task_completion_log),"
+        " (SELECT count(*) FROM worker_registry), (SELECT count(*) FROM product_history)"
+    )
+    assert conn.execute(counts).fetchone() == (2, 2, 2, 2)
+    refusals = {
+        "SELECT * FROM prune_tasks(date_trunc('hour', now()) - interval '6 days', 100)": (
+            "prune_tasks: before must be at least 7 days ago (tq_retention.min_tasks_days)",
+            "UPDATE tq_retention SET min_tasks_days",
+        ),
+        "SELECT prune_completion_log(current_date - 89, 100)": (
+            "prune_completion_log: before must be at least 90 days ago "
+            "(tq_retention.min_completion_log_days)",
+            "UPDATE tq_retention SET min_completion_log_days",
+        ),
+        "SELECT prune_workers(now() - interval '23 hours', 100)": (
+            "prune_workers: before must be at least 1 days ago (tq_retention.min_workers_days)",
+            "UPDATE tq_retention SET min_workers_days",
+        ),
+        "SELECT * FROM prune_product_history(0, now() - interval '29 days', 100)": (
+            "prune_product_history: before must be at least 30 days ago "
+            "(tq_retention.min_product_history_days)",
+            "UPDATE tq_retention SET min_product_history_days",
+        ),
+        "SELECT prune_workers(now() - interval '7 days', 0)": (
+            "limit must be from 1 to 100000",
+            "batch_size",
+        ),
+    }
     with psycopg.connect(worker_url, autocommit=True) as w:
-        assert w.execute("SELECT prune_completion_log(%s, 100)", (before.date(),)).fetchone() == (1,)
-        assert w.execute("SELECT prune_workers(%s, 100)", (before,)).fetchone() == (1,)
-        deleted, _, young = w.execute("SELECT * FROM prune_product_history(0, %s, 100)", (before,)).fetchone()
-        assert (deleted, young) == (1, True)
-        for statement, params in (
-            ("SELECT prune_workers(%s, 100)", (datetime.now(UTC) - timedelta(hours=1),)),
-            ("SELECT prune_completion_log(current_date, 100)", ()),
-            ("SELECT * FROM prune_product_history(0, now(), 100)", ()),
-            ("SELECT prune_workers(%s, 0)", (before,)),
-        ):
-            with pytest.raises(psycopg.errors.InvalidParameterValue):
-                w.execute(statement, params)
+        for statement, (words, hint) in refusals.items():
+            with pytest.raises(psycopg.errors.InvalidParameterValue) as refused:
+                w.execute(statement)
+            assert words in str(refused.value), statement
+            assert hint in (refused.value.diag.message_hint or ""), statement
+        assert conn.execute(counts).fetchone() == (2, 2, 2, 2)
+        # The worker may not lower a floor itself.
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            w.execute("UPDATE tq_retention SET min_tasks_days = 1")
+        # At the floors, the old rows go and the young ones stay.
+        assert w.execute("SELECT prune_completion_log(current_date - 90, 100)").fetchone() == (1,)
+        assert w.execute(
+            "SELECT deleted FROM prune_tasks(date_trunc('hour', now()) - interval '7 days', 100)"
+        ).fetchone() == (1,)
+        assert w.execute("SELECT prune_workers(now() - interval '1 day', 100)").fetchone() == (1,)
+        deleted, _, reached_young = w.execute(
+            "SELECT * FROM prune_product_history(0, now() - interval '30 days', 100)"
+        ).fetchone()
+        assert (deleted, reached_young) == (1, True)
+    tasks, _, workers, history = conn.execute(counts).fetchone()  # type: ignore[misc]
+    assert (tasks, workers, history) == (1, 1, 1)
+    assert conn.execute("SELECT worker_id FROM worker_registry").fetchone() == ("lately",)
     assert conn.execute(
-        "SELECT (SELECT count(*) FROM task_completion_log), (SELECT count(*) FROM worker_registry), "
-        "(SELECT count(*) FROM product_history)"
-    ).fetchone() == (1, 1, 1)
+        "SELECT count(*) FROM task_completion_log WHERE date = current_date - 89"
+    ).fetchone() == (1,)
+    assert conn.execute("SELECT min_tasks_days FROM tq_retention").fetchone() == (7,)
 
 
 # -- what the worker may not do -------------------------------------------------------------------
@@ -486,6 +541,10 @@ FORBIDDEN = [
     "CALL tq_secure_functions()",
     "CALL tq_grant_worker(current_user)",
     "SELECT * FROM tq_migrations",
+    "UPDATE tq_retention SET min_tasks_days = 1, min_completion_log_days = 1",
+    "UPDATE tq_retention SET tasks_pruned_before = now()",
+    "INSERT INTO tq_api (function_name) VALUES ('rogue')",
+    "DELETE FROM tq_relations",
 ]
 
 
@@ -498,7 +557,8 @@ def test_the_worker_is_refused_every_write_by_hand(worker_url: str, conn: psycop
     snapshot = (
         "SELECT (SELECT array_agg(t ORDER BY id) FROM worker_tasks t),"
         " (SELECT array_agg(r ORDER BY role) FROM worker_task_roles r),"
-        " (SELECT array_agg(l ORDER BY platform) FROM tq_platforms l)"
+        " (SELECT array_agg(l ORDER BY platform) FROM tq_platforms l),"
+        " (SELECT array_agg(k) FROM tq_retention k)"
     )
     before = conn.execute(snapshot).fetchone()
     allowed = []
@@ -537,6 +597,7 @@ def test_grant_is_idempotent_and_stores_only_a_password_verifier(
     password = "s3cret 'quoted\" $$ \\ pass"
     first = grant(db_url, worker_role=role, worker_password=password)
     conn.execute("CREATE FUNCTION later_api() RETURNS INTEGER AS $$ SELECT 1 $$ LANGUAGE sql")
+    conn.execute("INSERT INTO tq_api (function_name) VALUES ('later_api')")
     second = grant(db_url, worker_role=role)  # after a migration that adds a function
     assert f"{role}: created, LOGIN" in first and f"{role}: exists" in second
     assert not any(password in line for line in first + second)
@@ -596,6 +657,7 @@ def test_an_admin_role_owns_the_schema_migrates_and_the_worker_still_drains(
         "9999",
         "later",
         "CREATE FUNCTION later_api() RETURNS INTEGER AS $$ SELECT 2 $$ LANGUAGE sql;\n"
+        "INSERT INTO tq_api (function_name) VALUES ('later_api');\n"
         "CALL tq_secure_functions();\n",
     )
     assert migrate(as_role(db_url, admin), [*load_migrations(), later]) == ["9999_later.sql"]
@@ -611,3 +673,134 @@ def test_an_admin_role_owns_the_schema_migrates_and_the_worker_still_drains(
     with psycopg.connect(as_role(db_url, worker), autocommit=True) as w:
         assert w.execute("SELECT later_api()").fetchone() == (2,)
     assert status_counts(conn) == {"completed": 3}
+
+
+# -- a database shared with another application ---------------------------------------------------
+
+OTHER_APP = """
+CREATE TABLE other_app_orders (id INTEGER PRIMARY KEY);
+GRANT SELECT ON other_app_orders TO PUBLIC;
+CREATE FUNCTION other_app_purge() RETURNS INTEGER AS $$
+  WITH gone AS (DELETE FROM other_app_orders RETURNING 1) SELECT count(*)::INTEGER FROM gone
+$$ LANGUAGE sql;
+"""
+
+
+def other_app_state(conn: psycopg.Connection) -> dict[str, Any]:
+    return {
+        "function": conn.execute(
+            "SELECT proowner::REGROLE::TEXT, prosecdef, proconfig, proacl FROM pg_proc "
+            "WHERE oid = 'other_app_purge()'::REGPROCEDURE"
+        ).fetchone(),
+        "table": conn.execute(
+            "SELECT relowner::REGROLE::TEXT, relacl FROM pg_class WHERE oid = 'other_app_orders'::REGCLASS"
+        ).fetchone(),
+    }
+
+
+def test_another_applications_objects_in_the_schema_are_left_alone(
+    make_role: Callable[[str], str], empty_db_url: str
+):
+    """An adopted database: the other application's function and table, made by the superuser
+    before the queue came, keep their owner, security, grants and PUBLIC's rights through the
+    migrations, tq grant with an admin role, and a later tq_secure_functions."""
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        conn.execute(OTHER_APP)
+        before = other_app_state(conn)
+        migrate(empty_db_url)
+        admin, worker = make_role("admin"), make_role("worker")
+        grant(empty_db_url, worker_role=worker, admin_role=admin)
+        conn.execute("CALL tq_secure_functions()")
+        assert other_app_state(conn) == before
+        assert before["function"][:3] == (
+            conninfo_to_dict(empty_db_url).get("user") or "postgres",
+            False,
+            None,
+        )
+        # no grant to the worker on either (it may call the function through PUBLIC, with its own rights)
+        held = conn.execute(
+            "SELECT count(*) FROM (SELECT aclexplode(proacl) a FROM pg_proc WHERE proname = 'other_app_purge'"
+            " UNION ALL SELECT aclexplode(relacl) FROM pg_class WHERE relname = 'other_app_orders') x"
+            " WHERE (a).grantee = %s::REGROLE",
+            (worker,),
+        ).fetchone()
+        assert held == (0,)
+        # ... while the queue's own objects are the admin's and hardened
+        assert unsecured(conn, invoker=frozenset({"other_app_purge"})) == [
+            "other_app_purge(): PUBLIC may execute it"
+        ]
+        assert conn.execute(
+            "SELECT DISTINCT relowner::REGROLE::TEXT FROM pg_class "
+            "WHERE relnamespace = 'public'::REGNAMESPACE AND relname NOT LIKE 'other_app%%'"
+        ).fetchall() == [(admin,)]
+    # It runs with the worker's rights, which hold nothing on the other app's table but SELECT.
+    with (
+        psycopg.connect(as_role(empty_db_url, worker), autocommit=True) as w,
+        pytest.raises(psycopg.errors.InsufficientPrivilege),
+    ):
+        w.execute("SELECT other_app_purge()")
+    # The fixtures drop the roles after this database: hand back what the admin owns here.
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("REASSIGN OWNED BY {} TO CURRENT_USER").format(sql.Identifier(admin)))
+        for role in (admin, worker):
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+
+
+def test_grant_refuses_a_worker_that_owns_the_database(pg_server: str, make_role: Callable[[str], str]):
+    """The database's owner is a member of pg_database_owner, which owns schema public: it could
+    DROP the queue's tables there."""
+    worker = make_role("worker")
+    name = f"tq_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_server, autocommit=True) as server:
+        server.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(worker)))
+        server.execute(
+            sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(name), sql.Identifier(worker))
+        )
+    try:
+        url = make_conninfo(pg_server, dbname=name)
+        migrate(url)  # as the superuser: the queue's objects are not the worker's
+        with pytest.raises(GrantError) as refused:
+            grant(url, worker_role=worker)
+        assert f"owns database {name}" in str(refused.value)
+        assert "ALTER DATABASE" in str(refused.value)
+        with psycopg.connect(url, autocommit=True) as conn:
+            assert conn.execute(
+                "SELECT count(*) FROM information_schema.role_table_grants WHERE grantee = %s", (worker,)
+            ).fetchone() == (0,)
+    finally:
+        with psycopg.connect(pg_server, autocommit=True) as server:
+            server.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def test_the_password_is_sent_as_scram_whatever_the_servers_password_encryption(
+    db_url: str, conn: psycopg.Connection, make_role: Callable[[str], str]
+):
+    role = make_role("worker")
+    grant(
+        make_conninfo(db_url, options="-c password_encryption=md5"), worker_role=role, worker_password="pw 1"
+    )
+    stored = conn.execute("SELECT rolpassword FROM pg_authid WHERE rolname = %s", (role,)).fetchone()[0]
+    assert stored.startswith("SCRAM-SHA-256$")
+
+
+@pytest.mark.parametrize("platform", [None, "", "  ", "p" * 60])
+def test_the_handlers_store_functions_refuse_a_bad_platform_in_words(
+    worker_url: str, conn: psycopg.Connection, platform: str | None
+):
+    (store,) = add_stores(conn, 1)
+    before = conn.execute(
+        "SELECT (SELECT array_agg(d) FROM dispensaries d), (SELECT array_agg(c) FROM store_crawl_state c)"
+    ).fetchone()
+    with psycopg.connect(worker_url, autocommit=True) as w:
+        for statement, params in (
+            ("SELECT save_entry_point(%s, %s, 'pid', 'http://menu')", (store, platform)),
+            ("SELECT mark_store_gone(%s, %s)", (store, platform)),
+        ):
+            with pytest.raises(psycopg.errors.InvalidParameterValue) as refused:
+                w.execute(statement, params)
+            assert ": platform must " in str(refused.value), statement
+            assert "1 to 50 characters" in (refused.value.diag.message_hint or ""), statement
+    after = conn.execute(
+        "SELECT (SELECT array_agg(d) FROM dispensaries d), (SELECT array_agg(c) FROM store_crawl_state c)"
+    ).fetchone()
+    assert after == before

@@ -383,7 +383,10 @@ def test_sql_arguments_are_refused_with_a_hint(conn: psycopg.Connection) -> None
         ("SELECT refresh_task_completion_log(NULL, 3)", "date must not be NULL"),
         ("SELECT refresh_task_completion_log(current_date, 24)", "hour must be from 0 to 23, got 24"),
         ("SELECT refresh_task_completion_log(current_date, NULL)", "got NULL"),
-        ("SELECT * FROM prune_tasks(now() - interval '2 hours', 10)", "at least a day ago"),
+        (
+            "SELECT * FROM prune_tasks(date_trunc('hour', now()) - interval '2 hours', 10)",
+            "before must be at least 7 days ago (tq_retention.min_tasks_days)",
+        ),
         (
             "SELECT * FROM prune_tasks(date_trunc('hour', now()) - interval '30 days 30 minutes', 10)",
             "whole",
@@ -396,6 +399,61 @@ def test_sql_arguments_are_refused_with_a_hint(conn: psycopg.Connection) -> None
             conn.execute(statement)
         assert words in str(err.value), statement
         assert err.value.diag.message_hint, statement
+
+
+def test_the_default_settings_pass_the_default_floors(conn: psycopg.Connection, db_url: str) -> None:
+    floors = conn.execute(
+        "SELECT min_tasks_days, min_completion_log_days, min_workers_days, min_product_history_days "
+        "FROM tq_retention"
+    ).fetchone()
+    assert floors == (7, 90, 1, 30)
+    defaults = RetentionSettings()
+    days = (
+        defaults.tasks_days,
+        defaults.completion_log_days,
+        defaults.workers_days,
+        defaults.product_history_days,
+    )
+    assert all(d >= f for d, f in zip(days, floors, strict=True))
+    assert prune(db_url, dry_run=True).finished
+    assert prune(db_url).finished
+
+
+@pytest.mark.parametrize(
+    ("column", "setting"),
+    [
+        ("min_tasks_days", "tasks_days"),
+        ("min_completion_log_days", "completion_log_days"),
+        ("min_workers_days", "workers_days"),
+        ("min_product_history_days", "product_history_days"),
+    ],
+)
+def test_a_floor_raised_by_the_admin_refuses_a_younger_horizon_before_anything_goes(
+    conn: psycopg.Connection, queue: TaskQueue, db_url: str, column: str, setting: str
+) -> None:
+    stores = add_stores(conn, 3)
+    add_finished(conn, stores, "completed", timedelta(days=500))
+    queue.register_worker("gone", ROLE)
+    conn.execute("UPDATE worker_registry SET last_heartbeat_at = now() - interval '500 days'")
+    before = table_counts(conn)
+    # The rollup outlives the tasks: the tasks' floor may not pass the rollup's (a CHECK).
+    raised = ["min_completion_log_days", column] if column == "min_tasks_days" else [column]
+    conn.execute(
+        sql.SQL("UPDATE tq_retention SET {}").format(
+            sql.SQL(", ").join(sql.SQL("{} = 800").format(sql.Identifier(c)) for c in raised)
+        )
+    )
+    for dry_run in (True, False):
+        with pytest.raises(RetentionSettingsError) as refused:
+            prune(db_url, RetentionSettings(**FAST), dry_run=dry_run)
+        assert f"{setting} must be at least 800 days in this database (tq_retention.{column})" in str(
+            refused.value
+        )
+        assert f"the admin (the owner of tq_retention) lowers it: UPDATE tq_retention SET {column} = " in str(
+            refused.value
+        )
+    assert table_counts(conn) == before
+    assert conn.execute("SELECT updated_at = '-infinity' FROM tq_retention").fetchone() == (True,)
 
 
 def test_the_job_config_has_the_bounds_and_defaults_of_the_settings() -> None:

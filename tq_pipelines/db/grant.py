@@ -44,8 +44,9 @@ def grant(
 
     ``worker_role`` gets LOGIN, CONNECT, USAGE on the schema, SELECT on what the workers, jobs,
     sensors and the asset read, and EXECUTE on the queue's functions, nothing else. With
-    ``admin_role`` that role is created too and made the owner of every object of the schema
-    (the queue's functions then run with its rights); without it the current owner stays admin.
+    ``admin_role`` that role is created too, made the owner of the queue's relations and functions
+    (which then run with its rights) and given CREATE in the schema; the schema's other objects,
+    another application's, are left as they are. Without it the current owner stays admin.
     A password of None leaves the role's password as it is; the server receives only its SCRAM
     verifier. ``setting`` names where ``conninfo`` came from, for the error when it cannot connect.
     """
@@ -74,13 +75,19 @@ def grant(
         if admin_role is not None:
             done += _ensure_role(conn, "admin_role", admin_role, admin_password, worker=False)
             conn.execute(query("grant_admin"), {"role": admin_role})
-            done.append(f"{admin_role}: owns every object of the schema, may create in it")
+            done.append(
+                f"{admin_role}: owns the queue's tables, views and functions, may create in the schema"
+            )
         done += _ensure_role(conn, "worker_role", worker_role, worker_password, worker=True)
         conn.execute(query("secure_functions"))
         try:
             conn.execute(query("grant_worker"), {"role": worker_role})
         except errors.InvalidParameterValue as exc:
-            raise GrantError(f"worker_role {worker_role!r} refused: {exc.diag.message_primary}") from None
+            hint = exc.diag.message_hint
+            raise GrantError(
+                f"worker_role {worker_role!r} refused: {exc.diag.message_primary}"
+                + (f" ({hint})" if hint else "")
+            ) from None
         counts = conn.execute(query("worker_privileges"), {"role": worker_role}).fetchone()
         assert counts is not None
         readable, writable, callable_ = counts
@@ -139,7 +146,8 @@ def _ensure_role(
         else:
             done.append(f"{role}: exists")
     if password is not None:
-        verifier = conn.pgconn.encrypt_password(password.encode(), role.encode())
+        # Named, not the server's password_encryption, which may still be md5.
+        verifier = conn.pgconn.encrypt_password(password.encode(), role.encode(), b"scram-sha-256")
         conn.execute(query("set_role_password").format(role=name, password=sql.Literal(verifier.decode())))
         done.append(f"{role}: password set")
     return done
