@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import quote
 
 import dagster as dg
 import psycopg
@@ -358,6 +359,10 @@ def url_with_password(db_url: str, user: str, password: str) -> str:
     """``db_url`` as a postgresql:// URL of ``user`` with ``password``."""
     params = conninfo_to_dict(db_url)
     host, port = params.get("host", "127.0.0.1"), params.get("port", 5432)
+    if str(host).startswith("/"):  # a Unix socket's folder (the embedded server) goes in the query
+        return (
+            f"postgresql://{user}:{password}@/{params['dbname']}?host={quote(str(host), safe='')}&port={port}"
+        )
     return f"postgresql://{user}:{password}@{host}:{port}/{params['dbname']}"
 
 

@@ -291,4 +291,8 @@ def test_a_periodic_outage_uses_the_profiles_retry_after(platform: SimulatedPlat
         response = client.get("/stores")
     assert response.status_code == 503
     assert response.headers["Retry-After"] == "3"
+    # The server logs a request once its answer is written: the client may read it first.
+    deadline = time.monotonic() + 5
+    while not platform.request_log() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert platform.request_log()[0][2] == 503
