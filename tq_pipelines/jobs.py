@@ -1,7 +1,8 @@
 """Jobs that run the queue: daily resync generation, stale recovery, and draining a role."""
 
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, NoReturn
 
 import dagster as dg
 from pydantic import Field, ValidationError
@@ -127,35 +128,50 @@ class DrainConfig(dg.Config):
     )
 
 
-# Dagster checks a run config against its schema (keys, types) before the run is created, but a
-# Config's pydantic bounds only when the op starts: a bad value would make a run that fails at its
-# first step. The job's config mapping builds DrainConfig, bounds included, while the run config
-# is resolved, which the webserver and the daemon do before they create the run. The run config
-# keeps the op's shape; resources, loggers and execution pass through to Dagster's own checks.
-@dg.config_mapping(
-    config_schema={
-        "ops": {"drain_role_tasks": {"config": DrainConfig.to_config_schema().as_field()}},
-        "resources": dg.Field(dg.Permissive(), is_required=False),
-        "loggers": dg.Field(dg.Permissive(), is_required=False),
-        "execution": dg.Field(dg.Permissive(), is_required=False),
-    }
-)
-def drain_run_config(values: dict[str, Any]) -> dict[str, Any]:
-    """The drain run's config, refused in words (the key, the value, what is accepted) when a
-    value is out of bounds."""
-    op_config = values["ops"]["drain_role_tasks"]["config"]
-    try:
-        config = DrainConfig(**op_config)
-    except ValidationError as exc:
-        wrong = "; ".join(
-            f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}" for e in exc.errors()
-        )
+def checked_op_config(
+    job_name: str, op_name: str, config_class: type[dg.Config], check: Callable[[Any], object] = lambda c: c
+) -> dg.ConfigMapping:
+    """A job config mapping that builds ``config_class`` (and runs ``check`` on it) for the job's
+    one op, and refuses in words (the key, the value, what is accepted) when a value is wrong.
+
+    Dagster checks a run config against its schema (keys, types) before the run is created, but a
+    Config's pydantic bounds only when the op starts: a bad value would make a run that fails at
+    its first step. A config mapping runs while the run config is resolved, which the webserver,
+    the daemon and execute_in_process do before they create the run. The run config keeps the
+    op's shape; resources, loggers and execution pass through to Dagster's own checks."""
+
+    def refuse(values: dict[str, Any], wrong: str) -> NoReturn:
         raise dg.DagsterInvalidConfigError(
-            f"drain_tasks_job: config of drain_role_tasks refused before the run is created: {wrong}",
-            [],
-            values,
-        ) from None
-    return {**values, "ops": {"drain_role_tasks": {"config": config.model_dump()}}}
+            f"{job_name}: config of {op_name} refused before the run is created: {wrong}", [], values
+        )
+
+    @dg.config_mapping(
+        config_schema={
+            "ops": {op_name: {"config": config_class.to_config_schema().as_field()}},
+            "resources": dg.Field(dg.Permissive(), is_required=False),
+            "loggers": dg.Field(dg.Permissive(), is_required=False),
+            "execution": dg.Field(dg.Permissive(), is_required=False),
+        }
+    )
+    def mapping(values: dict[str, Any]) -> dict[str, Any]:
+        try:
+            config = config_class(**values["ops"][op_name]["config"])
+            check(config)
+        except ValidationError as exc:
+            refuse(
+                values,
+                "; ".join(
+                    f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}" for e in exc.errors()
+                ),
+            )
+        except ValueError as exc:  # the check's own words
+            refuse(values, str(exc))
+        return {**values, "ops": {op_name: {"config": config.model_dump()}}}
+
+    return mapping
+
+
+drain_run_config = checked_op_config("drain_tasks_job", "drain_role_tasks", DrainConfig)
 
 
 def drain_worker_id(role: str, run_id: str) -> str:
@@ -177,7 +193,7 @@ def drain_role_tasks(
     A handler exception fails its task, not the run; only the queue itself failing fails the run,
     and whatever it held is given back by recover_stale_tasks.
     """
-    roles = tq.queue.roles()
+    roles = list(tq.run_caps)
     if config.role not in roles:
         raise dg.Failure(
             f"role {config.role!r} is not in worker_task_roles ({', '.join(roles)}): add it with "

@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import dagster as dg
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from tq_pipelines.jobs import DB_POOL
+from tq_pipelines.jobs import DB_POOL, checked_op_config
 from tq_pipelines.resources import QueueResource
 from tq_pipelines.retention import (
     LIMITS,
@@ -114,36 +114,10 @@ def trim_dagster_runs(
     return deleted
 
 
-# Dagster checks a run config's keys and types before it creates the run, but a Config's bounds
-# only when the op starts. This mapping builds PruneConfig and the retention settings (bounds and
-# the rule between two of them) while the run config is resolved, which the webserver, the
-# daemon and execute_in_process do before they create the run: bad settings make no run.
-@dg.config_mapping(
-    config_schema={
-        "ops": {"prune_old_rows": {"config": PruneConfig.to_config_schema().as_field()}},
-        "resources": dg.Field(dg.Permissive(), is_required=False),
-        "loggers": dg.Field(dg.Permissive(), is_required=False),
-        "execution": dg.Field(dg.Permissive(), is_required=False),
-    }
+# Bad settings (bounds, and the rule between two of them) make no run.
+prune_run_config = checked_op_config(
+    "prune_job", "prune_old_rows", PruneConfig, lambda config: config.settings()
 )
-def prune_run_config(values: dict[str, Any]) -> dict[str, Any]:
-    """The prune run's config, refused in words (the setting, the value, what is accepted)."""
-    op_config = values["ops"]["prune_old_rows"]["config"]
-    try:
-        config = PruneConfig(**op_config)
-        config.settings()
-    except ValidationError as exc:
-        wrong = "; ".join(
-            f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}" for e in exc.errors()
-        )
-        raise dg.DagsterInvalidConfigError(
-            f"prune_job: config of prune_old_rows refused before the run is created: {wrong}", [], values
-        ) from None
-    except RetentionSettingsError as exc:
-        raise dg.DagsterInvalidConfigError(
-            f"prune_job: config of prune_old_rows refused before the run is created: {exc}", [], values
-        ) from None
-    return {**values, "ops": {"prune_old_rows": {"config": config.model_dump()}}}
 
 
 @dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))

@@ -115,6 +115,7 @@ class QueueResource(dg.ConfigurableResource):
     drain_time_budget_seconds: float = Field(default=600, gt=0, le=86_400)
 
     _queue: TaskQueue | None = PrivateAttr(default=None)
+    _caps: dict[str, int] = PrivateAttr(default_factory=dict)
 
     @field_validator("*", mode="wrap")
     @classmethod
@@ -128,7 +129,7 @@ class QueueResource(dg.ConfigurableResource):
         return value
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        parse_role_caps(self._caps_spec())  # TQ_ROLE_CAPS is read here, not at import
+        named = parse_role_caps(self._caps_spec())  # TQ_ROLE_CAPS is read here, not at import
         # One plain connection first: it fails within seconds, with libpq's reason and the
         # password masked, where a pool would retry in the background until its timeout.
         check_connection(self.database_url, setting="TQ_DATABASE_URL (the queue resource's database_url)")
@@ -140,7 +141,8 @@ class QueueResource(dg.ConfigurableResource):
                 f"cannot open a pool on the queue database (TQ_DATABASE_URL / database_url): {reason}"
             ) from None
         try:
-            self.caps(queue.roles())  # a cap for a role the database does not have: before any task
+            # A cap for a role the database does not have fails here, before any task.
+            self._caps = self._caps_of(named, queue.roles())
         except BaseException:
             queue.close()
             raise
@@ -157,6 +159,14 @@ class QueueResource(dg.ConfigurableResource):
             raise RuntimeError("QueueResource used outside of a run or tick")
         return self._queue
 
+    @property
+    def run_caps(self) -> dict[str, int]:
+        """Every role of worker_task_roles, in name order, with its run cap: read once when the
+        run or tick began."""
+        if self._queue is None:
+            raise RuntimeError("QueueResource used outside of a run or tick")
+        return self._caps
+
     def _caps_spec(self) -> str:
         return self.role_caps or os.environ.get("TQ_ROLE_CAPS", "")
 
@@ -164,8 +174,10 @@ class QueueResource(dg.ConfigurableResource):
         """The run cap of each of ``roles`` (worker_task_roles'): its role_caps entry, else
         default_runs_per_role. Raises naming the setting on a bad entry or one for a role that
         is not among ``roles``."""
+        return self._caps_of(parse_role_caps(self._caps_spec()), roles)
+
+    def _caps_of(self, named: dict[str, int], roles: Iterable[str]) -> dict[str, int]:
         roles = list(roles)
-        named = parse_role_caps(self._caps_spec())
         unknown = sorted(set(named) - set(roles))
         if unknown:
             raise QueueSettingsError(

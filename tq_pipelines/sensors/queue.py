@@ -76,8 +76,7 @@ def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) ->
     can feed (a claim takes one task per store), up to the role's cap less the runs of that role
     already queued or running. The roles are worker_task_roles'; one without a handler gets no
     run (queue_health_sensor alerts on it)."""
-    roles = tq.queue.roles()
-    caps = tq.caps(roles)
+    caps = tq.run_caps
     handlers = load_handlers()
     for run_id in fail_dead_drain_runs(context, tq):
         context.log.warning(
@@ -98,7 +97,7 @@ def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) ->
     stamp = int(time.time())
     requests: list[dg.RunRequest] = []
     waiting: list[str] = []
-    for role in roles:
+    for role in caps:
         ready, claimable = work.get(role, (0, 0))
         if not ready:
             continue
