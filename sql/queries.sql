@@ -42,13 +42,23 @@ SELECT cancel_task(%(task_id)s) AS ok;
 -- name: register_worker
 SELECT register_worker(%(worker_id)s, %(role)s, %(pod_name)s, %(hostname)s, %(heartbeat_seconds)s::FLOAT8);
 
--- name: worker_liveness
--- For each given worker: its status, how long since its last heartbeat, and its interval.
-SELECT worker_id, status,
-       extract(EPOCH FROM now() - last_heartbeat_at)::FLOAT8 AS silent_seconds,
-       coalesce(heartbeat_seconds, 30)::FLOAT8 AS heartbeat_seconds
-FROM worker_registry
-WHERE worker_id = ANY(%(worker_ids)s);
+-- name: session_ping
+-- A worker session's connection, checked at each heartbeat.
+SELECT 1;
+
+-- name: register_worker_session
+-- On the worker's own connection: the registration, and the session lock that it holds while
+-- the worker lives (0011).
+SELECT register_worker_session(%(worker_id)s, %(role)s, %(pod_name)s, %(hostname)s,
+                               %(heartbeat_seconds)s::FLOAT8) AS registry_id;
+
+-- name: worker_sessions
+SELECT worker_id, status, silent_seconds, heartbeat_seconds, session_alive
+FROM worker_sessions(%(worker_ids)s);
+
+-- name: release_dead_workers
+SELECT workers, recovered, failed
+FROM release_dead_workers(%(worker_ids)s);
 
 -- name: deregister_worker
 SELECT deregister_worker(%(worker_id)s) AS ok;

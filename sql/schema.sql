@@ -1552,6 +1552,97 @@ $$;
 
 
 --
+-- Name: register_worker_session(character varying, character varying, character varying, character varying, double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.register_worker_session(p_worker_id character varying, p_role character varying, p_pod_name character varying, p_hostname character varying, p_heartbeat_seconds double precision) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+  v_id INTEGER;
+BEGIN
+  PERFORM tq_require_worker(p_worker_id);
+  SELECT w.id INTO v_id FROM worker_registry w WHERE w.worker_id = p_worker_id;
+  -- The lock first: a registration alive on another connection is never overwritten. Taken
+  -- again on the same connection, the lock is the caller's already (it counts up, harmless).
+  IF v_id IS NOT NULL AND NOT pg_try_advisory_lock(7471, v_id) THEN
+    RAISE EXCEPTION 'register_worker_session: worker % is registered and alive on another connection',
+      tq_shown(p_worker_id)
+      USING ERRCODE = '55P03',
+            HINT = 'Worker ids name one live worker; give this one its own (default_worker_id).';
+  END IF;
+  PERFORM register_worker(p_worker_id, p_role, p_pod_name, p_hostname, p_heartbeat_seconds);
+  IF v_id IS NULL THEN
+    SELECT w.id INTO v_id FROM worker_registry w WHERE w.worker_id = p_worker_id;
+    IF NOT pg_try_advisory_lock(7471, v_id) THEN
+      RAISE EXCEPTION 'register_worker_session: the session lock of worker % is held by another connection',
+        tq_shown(p_worker_id)
+        USING ERRCODE = '55P03',
+              HINT = 'Another connection took the lock of this new registration; register again.';
+    END IF;
+  END IF;
+  UPDATE worker_registry SET session_bound = true WHERE id = v_id AND NOT session_bound;
+  RETURN v_id;
+END;
+$$;
+
+
+--
+-- Name: release_dead_workers(character varying[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.release_dead_workers(p_worker_ids character varying[]) RETURNS TABLE(workers integer, recovered integer, failed integer)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+BEGIN
+  IF p_worker_ids IS NULL OR cardinality(p_worker_ids) > 1000 THEN
+    PERFORM tq_refuse('release_dead_workers', 'worker_ids', coalesce(cardinality(p_worker_ids)::TEXT, 'NULL'),
+      'must list at most 1000 workers',
+      'The ids of workers believed dead (drain runs Dagster marked failed), in batches of up to 1000.');
+  END IF;
+  WITH dead AS (
+    SELECT w.id, w.worker_id
+    FROM worker_registry w
+    WHERE w.worker_id = ANY(p_worker_ids)
+      AND w.session_bound
+      AND NOT tq_session_alive(w.id)
+  ),
+  released AS (
+    UPDATE worker_tasks t
+    SET status = CASE WHEN t.retry_count < t.max_retries THEN 'pending' ELSE 'failed' END,
+        retry_count = t.retry_count + CASE WHEN t.retry_count < t.max_retries THEN 1 ELSE 0 END,
+        error_message = format('worker %s is gone (its session ended)', t.worker_id),
+        worker_id = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.worker_id END,
+        claimed_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.claimed_at END,
+        started_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.started_at END,
+        last_heartbeat_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.last_heartbeat_at END,
+        completed_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE now() END
+    FROM dead d
+    WHERE t.worker_id = d.worker_id
+      AND t.status IN ('claimed', 'running')
+    RETURNING t.status
+  ),
+  gone AS (
+    UPDATE worker_registry w
+    SET status = 'offline'
+    FROM dead d
+    WHERE w.id = d.id
+      AND w.status <> 'offline'
+    RETURNING w.id
+  )
+  SELECT
+    (SELECT count(*)::INTEGER FROM dead),
+    (SELECT count(*)::INTEGER FROM released r WHERE r.status = 'pending'),
+    (SELECT count(*)::INTEGER FROM released r WHERE r.status = 'failed')
+  INTO workers, recovered, failed;
+  RETURN NEXT;
+END;
+$$;
+
+
+--
 -- Name: repair_platform_counters(); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -2733,6 +2824,26 @@ $$;
 
 
 --
+-- Name: tq_session_alive(integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_session_alive(p_registry_id integer) RETURNS boolean
+    LANGUAGE sql STABLE
+    AS $$
+  SELECT EXISTS (
+    SELECT 1
+    FROM pg_locks l
+    WHERE l.locktype = 'advisory'
+      AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+      AND l.classid = 7471::OID
+      AND l.objid = p_registry_id::OID
+      AND l.objsubid = 2
+      AND l.granted
+  );
+$$;
+
+
+--
 -- Name: tq_shown(text); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -3106,6 +3217,23 @@ CREATE FUNCTION public.worker_completed(p_worker_id character varying, p_count i
   UPDATE worker_registry
   SET tasks_completed = tasks_completed + greatest(p_count, 0), last_heartbeat_at = now()
   WHERE worker_id = p_worker_id;
+$$;
+
+
+--
+-- Name: worker_sessions(character varying[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.worker_sessions(p_worker_ids character varying[]) RETURNS TABLE(worker_id character varying, status character varying, silent_seconds double precision, heartbeat_seconds double precision, session_alive boolean)
+    LANGUAGE sql STABLE SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+  SELECT w.worker_id, w.status,
+         extract(EPOCH FROM now() - w.last_heartbeat_at)::FLOAT8,
+         coalesce(w.heartbeat_seconds, 30)::FLOAT8,
+         CASE WHEN w.session_bound THEN tq_session_alive(w.id) END
+  FROM worker_registry w
+  WHERE w.worker_id = ANY(p_worker_ids);
 $$;
 
 
@@ -3610,6 +3738,7 @@ CREATE TABLE public.worker_registry (
     tasks_failed integer DEFAULT 0,
     status character varying(20) DEFAULT 'active'::character varying,
     heartbeat_seconds double precision,
+    session_bound boolean DEFAULT false NOT NULL,
     CONSTRAINT valid_worker_status CHECK (((status)::text = ANY ((ARRAY['active'::character varying, 'idle'::character varying, 'offline'::character varying])::text[]))),
     CONSTRAINT worker_registry_heartbeat_seconds_check CHECK ((heartbeat_seconds > (0)::double precision))
 );
@@ -3620,6 +3749,13 @@ CREATE TABLE public.worker_registry (
 --
 
 COMMENT ON TABLE public.worker_registry IS 'Registry of workers: heartbeats and completed/failed counts';
+
+
+--
+-- Name: COLUMN worker_registry.session_bound; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.worker_registry.session_bound IS 'The worker holds its session lock (pg_advisory_lock(7471, id)) while it runs: no lock, no worker';
 
 
 --
@@ -3787,7 +3923,10 @@ INSERT INTO public.tq_api (function_name) VALUES
 	('task_still_owned'),
 	('upsert_listed_stores'),
 	('worker_completed'),
-	('update_worker_tasks_timestamp');
+	('update_worker_tasks_timestamp'),
+	('register_worker_session'),
+	('release_dead_workers'),
+	('worker_sessions');
 
 
 --

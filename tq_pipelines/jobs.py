@@ -15,10 +15,12 @@ from tq_pipelines.partitions import resync_partitions_def
 from tq_pipelines.resources import CrawlResource, QueueResource
 from tq_pipelines.worker import Worker
 
-# Every op below talks to the queue database; pools cap how many do so at once. Drains have a
-# pool of their own so that long drain runs never hold off recovery, resync or the rollup.
-DB_POOL = "tq_database"
-DRAIN_POOL = "tq_drain"
+# Run slots are shared through the instance's run queue (dagster.yaml): drain runs are capped by
+# their tq/kind tag below max_concurrent_runs, so the maintenance jobs always find a slot, and
+# these jobs go first in the queue. No op claims a concurrency pool: a run killed -9 never
+# gives a pool slot back.
+MAINTENANCE_TAGS = {"dagster/priority": "10"}
+DB_POOL = "tq_database"  # TODO(lead): drop once assets.py and freshness.py no longer name it
 
 # Ops report through output metadata and return nothing (Nothing outputs skip the IO manager).
 
@@ -32,7 +34,7 @@ class ResyncConfig(dg.Config):
     )
 
 
-@dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
+@dg.op(out=dg.Out(dg.Nothing))
 def generate_resync_tasks(
     context: dg.OpExecutionContext, config: ResyncConfig, tq: QueueResource, crawl: CrawlResource
 ):
@@ -56,7 +58,11 @@ def generate_resync_tasks(
     )
 
 
-@dg.job(partitions_def=resync_partitions_def, executor_def=dg.in_process_executor, tags={"tq/kind": "resync"})
+@dg.job(
+    partitions_def=resync_partitions_def,
+    executor_def=dg.in_process_executor,
+    tags={"tq/kind": "resync", **MAINTENANCE_TAGS},
+)
 def generate_resync_tasks_job() -> None:
     generate_resync_tasks()
 
@@ -65,7 +71,7 @@ class RecoverConfig(dg.Config):
     stale_threshold_minutes: int = Field(default=10, ge=1, description="Silence after which a lease expires")
 
 
-@dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
+@dg.op(out=dg.Out(dg.Nothing))
 def recover_stale_tasks(context: dg.OpExecutionContext, config: RecoverConfig, tq: QueueResource):
     """Give back the tasks of workers silent past the threshold; mark those workers offline.
     Then check the platforms' slot counters against the tasks really in flight, and repair."""
@@ -98,7 +104,7 @@ def recover_stale_tasks(context: dg.OpExecutionContext, config: RecoverConfig, t
     )
 
 
-@dg.job(executor_def=dg.in_process_executor, tags={"tq/kind": "recovery"})
+@dg.job(executor_def=dg.in_process_executor, tags={"tq/kind": "recovery", **MAINTENANCE_TAGS})
 def recover_stale_tasks_job() -> None:
     recover_stale_tasks()
 
@@ -117,6 +123,19 @@ class DrainConfig(dg.Config):
     )
     time_budget_seconds: float = Field(
         default=600, gt=0, le=86_400, description="Stop claiming after this long (at most a day)"
+    )
+    idle_poll_seconds: float = Field(
+        default=0.5,
+        ge=0.05,
+        le=60,
+        description="With nothing to do, claim again this often: the pickup latency of a live run",
+    )
+    idle_exit_seconds: float = Field(
+        default=0,
+        ge=0,
+        le=86_400,
+        description="Stay this long with nothing claimed before the run ends (0: end as soon as the "
+        "queue is empty; task_queue_sensor's runs stay, see QueueResource.drain_idle_exit_seconds)",
     )
     heartbeat_seconds: float = Field(default=30, gt=0, le=3600, description="Lease heartbeat interval")
     platform_wait_seconds: float = Field(
@@ -184,7 +203,7 @@ def drain_worker_id(role: str, run_id: str) -> str:
 MAX_AUTO_CONCURRENCY = 128
 
 
-@dg.op(pool=DRAIN_POOL, out=dg.Out(dg.Nothing))
+@dg.op(out=dg.Out(dg.Nothing))
 def drain_role_tasks(
     context: dg.OpExecutionContext, config: DrainConfig, tq: QueueResource, crawl: CrawlResource
 ):
@@ -229,6 +248,8 @@ def drain_role_tasks(
             logger=context.log,  # type: ignore[arg-type]
             services=services,
             platform_wait_seconds=config.platform_wait_seconds,
+            idle_poll_seconds=config.idle_poll_seconds if config.idle_exit_seconds > 0 else None,
+            idle_exit_seconds=config.idle_exit_seconds,
         )
         stats = worker.run()
     done = stats.completed + stats.failed + stats.retried
@@ -271,7 +292,7 @@ def drain_tasks_job() -> None:
 # -- periodic work: the tasks no store triggers --------------------------------------------------
 
 
-@dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
+@dg.op(out=dg.Out(dg.Nothing))
 def enqueue_store_discovery_tasks(context: dg.OpExecutionContext, tq: QueueResource, crawl: CrawlResource):
     """One store_discovery task per configured platform and region (none if one is still queued)."""
     settings = crawl.settings()
@@ -290,7 +311,7 @@ def enqueue_store_discovery_job() -> None:
     enqueue_store_discovery_tasks()
 
 
-@dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
+@dg.op(out=dg.Out(dg.Nothing))
 def enqueue_analytics_refresh_task(context: dg.OpExecutionContext, tq: QueueResource):
     """One analytics_refresh task, unless one is already queued or running."""
     created = tq.queue.enqueue_once("analytics_refresh") is not None
@@ -302,7 +323,7 @@ def enqueue_analytics_refresh_job() -> None:
     enqueue_analytics_refresh_task()
 
 
-@dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
+@dg.op(out=dg.Out(dg.Nothing))
 def enqueue_demo_crawl(context: dg.OpExecutionContext, tq: QueueResource):
     """Demo only: a product_resync for every crawlable store that has none pending or running."""
     created = enqueue_demo_resyncs(tq.queue)

@@ -11,7 +11,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from tq_pipelines.jobs import DB_POOL, checked_op_config
+from tq_pipelines.jobs import MAINTENANCE_TAGS, checked_op_config
 from tq_pipelines.resources import QueueResource
 from tq_pipelines.retention import (
     LIMITS,
@@ -120,7 +120,7 @@ prune_run_config = checked_op_config(
 )
 
 
-@dg.op(pool=DB_POOL, out=dg.Out(dg.Nothing))
+@dg.op(out=dg.Out(dg.Nothing))
 def prune_old_rows(context: dg.OpExecutionContext, config: PruneConfig, tq: QueueResource):
     """Delete finished tasks, long-gone workers, old price history and rollup rows past their
     horizons, in short batches; then the finished Dagster runs past theirs."""
@@ -163,7 +163,11 @@ def _table(report: PruneReport) -> str:
     return "\n".join(lines)
 
 
-@dg.job(executor_def=dg.in_process_executor, tags={"tq/kind": "prune"}, config=prune_run_config)
+@dg.job(
+    executor_def=dg.in_process_executor,
+    tags={"tq/kind": "prune", **MAINTENANCE_TAGS},
+    config=prune_run_config,
+)
 def prune_job() -> None:
     prune_old_rows()
 

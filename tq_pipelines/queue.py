@@ -4,7 +4,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from decimal import Decimal
@@ -373,12 +373,39 @@ class TaskQueue:
         _require_int32("count", count)
         self._one("worker_completed", {"worker_id": worker_id, "count": count})
 
+    def open_session(
+        self,
+        worker_id: str,
+        role: str,
+        *,
+        pod_name: str | None = None,
+        hostname: str | None = None,
+        heartbeat_seconds: float = 30.0,
+    ) -> "WorkerSession":
+        """Register ``worker_id`` on a connection of its own that holds the worker's session
+        lock until :meth:`WorkerSession.close`: when the process dies, the server knows, and
+        :meth:`release_dead_workers` gives its tasks back at once. Refused
+        (:class:`QueueInputError`, SQLSTATE 55P03) while another live session holds the id."""
+        session = WorkerSession(self, worker_id, role, pod_name, hostname, heartbeat_seconds)
+        session.bind()
+        return session
+
     def worker_liveness(self, worker_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Per registered worker among ``worker_ids``: status, silent_seconds (since its last
-        heartbeat) and heartbeat_seconds (its interval)."""
+        heartbeat), heartbeat_seconds (its interval) and session_alive (whether the connection
+        it registered on is still there; None for a worker registered without one)."""
         with self._cursor() as cur:
-            rows = cur.execute(query("worker_liveness"), {"worker_ids": list(worker_ids)}).fetchall()
+            rows = cur.execute(query("worker_sessions"), {"worker_ids": list(worker_ids)}).fetchall()
         return {r["worker_id"]: r for r in rows}
+
+    def release_dead_workers(self, worker_ids: Sequence[str]) -> RecoveryReport:
+        """Give back now the tasks of those of ``worker_ids`` whose session has ended (their
+        process is gone), and mark them offline. A worker whose session is alive, or that has
+        none, is left alone, whoever names it."""
+        if not worker_ids:
+            return RecoveryReport(0, 0, 0)
+        row = self._one("release_dead_workers", {"worker_ids": list(worker_ids)})
+        return RecoveryReport(row["recovered"], row["failed"], row["workers"])
 
     def deregister_worker(self, worker_id: str) -> bool:
         return bool(self._one("deregister_worker", {"worker_id": worker_id})["ok"])
@@ -614,3 +641,75 @@ def _require_int32(argument: str, value: int | None) -> None:
             hint=f"The queue's functions take {argument} as an INTEGER ({_INT32[0]} to {_INT32[1]}), "
             "and most take far less: the refusal of a smaller value says how much.",
         )
+
+
+class WorkerSession:
+    """A worker's registration, held by a connection of its own (see :meth:`TaskQueue.open_session`).
+
+    The connection does nothing but hold the session lock; :meth:`check` (the worker's
+    heartbeat calls it) notices a connection lost with the server (a restart, a network cut)
+    and registers again on a new one."""
+
+    def __init__(
+        self,
+        queue: TaskQueue,
+        worker_id: str,
+        role: str,
+        pod_name: str | None,
+        hostname: str | None,
+        heartbeat_seconds: float,
+    ) -> None:
+        self.queue = queue
+        self.worker_id = worker_id
+        self.params = {
+            "worker_id": worker_id,
+            "role": role,
+            "pod_name": pod_name,
+            "hostname": hostname,
+            "heartbeat_seconds": heartbeat_seconds,
+        }
+        self.conn: psycopg.Connection[Any] | None = None
+
+    def bind(self) -> None:
+        """Connect and register, taking the session lock."""
+        pool = self.queue.pool
+        # The pool's own settings (they may be callables, resolved at each connection).
+        conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo
+        kwargs = (pool.kwargs() if callable(pool.kwargs) else pool.kwargs) or {}
+        conn: psycopg.Connection[Any] = psycopg.Connection.connect(conninfo, **{**kwargs, "autocommit": True})
+        try:
+            conn.execute(query("register_worker_session"), self.params)
+        except psycopg.Error as exc:
+            conn.close()
+            if exc.sqlstate == "55P03" or _is_input_error(exc):
+                raise QueueInputError.from_server(exc) from exc
+            raise
+        self.conn = conn
+
+    def check(self) -> bool:
+        """True when the session is alive; else registers again (False if that fails too)."""
+        try:
+            if self.conn is not None and not self.conn.closed:
+                self.conn.execute(query("session_ping"))
+                return True
+        except psycopg.Error:
+            pass
+        self._drop()
+        try:
+            self.bind()
+        except psycopg.Error:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Deregister (offline) and end the session."""
+        try:
+            self.queue.deregister_worker(self.worker_id)
+        finally:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self.conn is not None:
+            conn, self.conn = self.conn, None
+            with suppress(psycopg.Error):
+                conn.close()

@@ -112,7 +112,12 @@ class QueueResource(dg.ConfigurableResource):
     # Handlers running at once in a drain run; 0 sizes it from the platforms' politeness limits
     # for roles that make HTTP requests, and runs the others inline.
     drain_concurrency: int = Field(default=0, ge=0, le=256)
-    drain_time_budget_seconds: float = Field(default=600, gt=0, le=86_400)
+    # A drain run stays while its role has work coming, polling every drain_idle_poll_seconds
+    # (the pickup latency while a run is live), and ends after drain_idle_exit_seconds with
+    # nothing claimed, or when its time budget is spent: few, long runs.
+    drain_time_budget_seconds: float = Field(default=3600, gt=0, le=86_400)
+    drain_idle_poll_seconds: float = Field(default=0.5, ge=0.05, le=60)
+    drain_idle_exit_seconds: float = Field(default=300, ge=0, le=86_400)
 
     _queue: TaskQueue | None = PrivateAttr(default=None)
     _caps: dict[str, int] = PrivateAttr(default_factory=dict)

@@ -24,7 +24,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from tq_pipelines.db.queries import query
-from tq_pipelines.queue import JSON, QueueInputError, Task, TaskQueue, storable_text
+from tq_pipelines.queue import JSON, QueueInputError, Task, TaskQueue, WorkerSession, storable_text
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +301,7 @@ class Worker:
         heartbeat_seconds: float = 30.0,
         time_budget_seconds: float | None = None,
         idle_poll_seconds: float | None = None,
+        idle_exit_seconds: float | None = None,
         logger: logging.Logger | None = None,
         services: Any = None,
         platform_wait_seconds: float = 10.0,
@@ -316,7 +317,10 @@ class Worker:
         self.concurrency = concurrency
         self.heartbeat_seconds = heartbeat_seconds
         self.time_budget_seconds = time_budget_seconds
+        # With nothing to do, claim again every idle_poll_seconds (None: stop at once) until
+        # idle_exit_seconds pass with nothing claimed (None: until the time budget is spent).
         self.idle_poll_seconds = idle_poll_seconds
+        self.idle_exit_seconds = idle_exit_seconds
         self.log = logger or log
         self.services = services
         # With nothing running and nothing claimable, how long to keep waiting for platforms
@@ -335,6 +339,7 @@ class Worker:
         # Set when a handler finishes or gives its platform slot back: time to record and claim.
         self._wake = threading.Event()
         self._claim_asked_at = time.monotonic()
+        self._session: WorkerSession | None = None
 
     def stop(self) -> None:
         """Ask the worker to stop claiming. Its handlers go on, their leases kept alive, for up to
@@ -347,7 +352,8 @@ class Worker:
         self.stats = DrainStats()
         self._stop.clear()
         self._heartbeats_stop.clear()
-        self.queue.register_worker(
+        # Registered on a connection of its own: if this process dies, the server knows at once.
+        self._session = self.queue.open_session(
             self.worker_id, self.role, hostname=socket.gethostname(), heartbeat_seconds=self.heartbeat_seconds
         )
         started = time.monotonic()
@@ -405,7 +411,17 @@ class Worker:
                     idle_since = idle_since or time.monotonic()
                     self._stop.wait(pause)
                     continue
-                elif budget_left and not self._stop.is_set() and self.idle_poll_seconds:
+                elif (
+                    budget_left
+                    and not self._stop.is_set()
+                    and self.idle_poll_seconds
+                    and not (
+                        self.idle_exit_seconds is not None
+                        and idle_since is not None
+                        and time.monotonic() - idle_since > self.idle_exit_seconds
+                    )
+                ):
+                    idle_since = idle_since or time.monotonic()
                     self._stop.wait(self.idle_poll_seconds)
                     continue
                 else:
@@ -454,7 +470,9 @@ class Worker:
                 pool.shutdown(wait=False, cancel_futures=True)
             self._heartbeats_stop.set()
             heartbeat.join()
-            self.queue.deregister_worker(self.worker_id)
+            if self._session is not None:
+                self._session.close()
+                self._session = None
 
     def _run_inline(self, contexts: list[TaskContext]) -> list[_Outcome]:
         """A claimed batch, one task after another; once the worker is told to stop, the tasks
@@ -645,6 +663,8 @@ class Worker:
 
     def _heartbeat_loop(self) -> None:
         while not self._heartbeats_stop.wait(self.heartbeat_seconds):
+            if self._session is not None and not self._session.check():
+                self.log.warning("worker session lost and not yet registered again; leases hold meanwhile")
             self.heartbeat()
 
     def heartbeat(self) -> set[int]:

@@ -70,6 +70,8 @@ INVOKER_FUNCTIONS = {
     "tq_platform_quota",
     "tq_platform_tolerance",
     "tq_retry_delay",
+    # whether a worker's session lock is held (0011)
+    "tq_session_alive",
     # the rollup of one hour, under refresh_task_completion_log and prune_tasks (0009)
     "tq_rollup_hour",
     # the admin's: `tq grant` and the end of every migration (0010), and the queue's objects

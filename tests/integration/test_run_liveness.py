@@ -1,6 +1,7 @@
-"""A drain run whose process is killed is noticed and replaced: Dagster still says STARTED (the
-local run launcher cannot tell), but its worker's heartbeats stopped, so task_queue_sensor marks
-it failed, its tasks come back with their leases, and the role gets a new run."""
+"""A drain run whose process is killed gives back what it held at the next tick: its worker's
+connection ended with it, and the server knows (the session lock of migration 0011). Dagster may
+still say STARTED (a pod gone without a word): the sensor does not count such a run against its
+role's cap, gives its tasks back, and the role gets a new run. Nothing here ages a heartbeat."""
 
 import os
 import signal
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import dagster as dg
 import psycopg
+import pytest
 
 from tests.helpers import add_stores, add_tasks
 from tq_pipelines.jobs import drain_tasks_job, drain_worker_id
+from tq_pipelines.queue import QueueInputError, TaskQueue
 from tq_pipelines.resources import QueueResource
 from tq_pipelines.sensors.queue import task_queue_sensor
 
@@ -39,9 +42,9 @@ def _started_run(instance: dg.DagsterInstance) -> dg.DagsterRun:
     )
 
 
-def _tick(instance: dg.DagsterInstance, db_url: str) -> dg.SensorResult:
+def _tick(instance: dg.DagsterInstance, db_url: str, cursor: str | None = None) -> dg.SensorResult:
     with dg.build_sensor_context(
-        instance=instance, resources={"tq": QueueResource(database_url=db_url)}
+        instance=instance, resources={"tq": QueueResource(database_url=db_url)}, cursor=cursor
     ) as ctx:
         return task_queue_sensor(ctx)
 
@@ -53,7 +56,16 @@ def _wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-unty
         time.sleep(0.05)
 
 
-def test_a_killed_drain_run_is_marked_failed_and_replaced(db_url: str, conn: psycopg.Connection):
+def _running_of(conn: psycopg.Connection, worker_id: str) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM worker_tasks WHERE worker_id = %s AND status IN ('claimed', 'running')",
+        (worker_id,),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_killed_drain_run_gives_its_tasks_back_at_the_next_tick(db_url: str, conn: psycopg.Connection):
     add_tasks(conn, ROLE, add_stores(conn, 6), 1)
     with dg.instance_for_test() as instance:
         dead_run, live_run = _started_run(instance), _started_run(instance)
@@ -64,50 +76,72 @@ def test_a_killed_drain_run_is_marked_failed_and_replaced(db_url: str, conn: psy
             for w in (dead_worker, live_worker)
         }
         try:
-            _wait_for(
-                lambda: (
-                    conn.execute(
-                        "SELECT count(DISTINCT worker_id) FROM worker_tasks WHERE status = 'running'"
-                    ).fetchone()
-                    == (2,)
-                )
-            )
-            # Both alive: nothing marked, the role is at its cap of 2 runs.
+            _wait_for(lambda: _running_of(conn, dead_worker) == 2 and _running_of(conn, live_worker) == 2)
+            # Both alive: nothing given back, the role is at its cap of 2 runs.
             first = _tick(instance, db_url)
             assert first.run_requests == []
-            assert instance.get_run_by_id(dead_run.run_id).status == dg.DagsterRunStatus.STARTED  # type: ignore[union-attr]
+            assert _running_of(conn, dead_worker) == 2
 
             os.kill(procs[dead_worker].pid, signal.SIGKILL)
             procs[dead_worker].wait(timeout=30)
-            # Its silence, aged past the short lease (2.5 of its 1 s intervals, at least 10 s).
-            conn.execute(
-                "UPDATE worker_registry SET last_heartbeat_at = now() - interval '15 seconds'"
-                " WHERE worker_id = %s",
-                (dead_worker,),
+            killed_at = time.monotonic()
+            # The server sees the connection end; no lease has expired (heartbeats are 1 s, the
+            # shortest lease 10 s), so only the session can have told.
+            _wait_for(
+                lambda: (
+                    conn.execute(
+                        "SELECT session_alive FROM worker_sessions(ARRAY[%s]::VARCHAR[])", (dead_worker,)
+                    ).fetchone()
+                    == (False,)
+                )
             )
-            conn.execute(
-                "UPDATE worker_tasks SET last_heartbeat_at = now() - interval '15 seconds'"
-                " WHERE worker_id = %s",
-                (dead_worker,),
-            )
-            second = _tick(instance, db_url)
+            second = _tick(instance, db_url, first.cursor)
+            tick_seconds = time.monotonic() - killed_at
         finally:
             for p in procs.values():
                 if p.poll() is None:
                     os.kill(p.pid, signal.SIGKILL)
                     p.wait(timeout=30)
 
-        dead = instance.get_run_by_id(dead_run.run_id)
-        assert dead is not None and dead.status == dg.DagsterRunStatus.FAILURE
-        assert instance.get_run_by_id(live_run.run_id).status == dg.DagsterRunStatus.STARTED  # type: ignore[union-attr]
-        # Its tasks came back in the same tick, and the role got a run in its place.
+        assert tick_seconds < 10, "the tick came after the short lease: it proves nothing"
+        assert _running_of(conn, dead_worker) == 0
+        assert _running_of(conn, live_worker) == 2
+        back = conn.execute(
+            "SELECT count(*) FROM worker_tasks WHERE status = 'pending' AND retry_count = 1"
+            " AND error_message LIKE %s",
+            (f"worker {dead_worker} is gone%",),
+        ).fetchone()
+        assert back == (2,)
         assert conn.execute(
-            "SELECT count(*) FROM worker_tasks WHERE worker_id = %s AND status = 'running'", (dead_worker,)
-        ).fetchone() == (0,)
+            "SELECT status FROM worker_registry WHERE worker_id = %s", (dead_worker,)
+        ).fetchone() == ("offline",)
+        # Dagster still says STARTED (nothing launched it): the run is not counted, the role gets
+        # a run in its place.
+        assert instance.get_run_by_id(dead_run.run_id).status == dg.DagsterRunStatus.STARTED  # type: ignore[union-attr]
         assert [r.tags["tq/role"] for r in second.run_requests] == [ROLE]
-        failure = [
-            e
-            for e in instance.all_logs(dead_run.run_id)
-            if e.dagster_event and e.dagster_event.is_run_failure
-        ]
-        assert failure and "presumed dead" in (failure[0].dagster_event.message or "")  # type: ignore[union-attr]
+        assert all("dagster/max_runtime" in r.tags for r in second.run_requests)
+
+
+def test_a_live_worker_named_as_dead_keeps_its_tasks(db_url: str, conn: psycopg.Connection):
+    add_tasks(conn, ROLE, add_stores(conn, 2), 1)
+    with TaskQueue.connect(db_url) as queue:
+        session = queue.open_session("live", ROLE, heartbeat_seconds=30)
+        try:
+            claimed = queue.claim_many(ROLE, "live", 2, start=True)
+            assert len(claimed) == 2
+            report = queue.release_dead_workers(["live", "nobody"])
+            assert (report.workers_offline, report.recovered, report.failed) == (0, 0, 0)
+            assert _running_of(conn, "live") == 2
+            # Nor can another connection take its registration over.
+            with pytest.raises(QueueInputError, match="alive on another connection") as refused:
+                queue.open_session("live", ROLE, heartbeat_seconds=0.001)
+            assert refused.value.sqlstate == "55P03"
+            assert conn.execute(
+                "SELECT heartbeat_seconds, status FROM worker_registry WHERE worker_id = 'live'"
+            ).fetchone() == (30, "active")
+        finally:
+            session.close()
+        # Ended in order: offline, and its session gone; nothing it held (it completed nothing).
+        assert queue.worker_liveness(["live"])["live"]["session_alive"] is False
+        report = queue.release_dead_workers(["live"])
+        assert report.recovered == 2

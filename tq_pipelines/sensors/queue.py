@@ -1,7 +1,10 @@
-"""task_queue_sensor: launches drain runs for roles with ready work, within each role's cap."""
+"""task_queue_sensor: launches drain runs for roles with ready work, within each role's cap, and
+gives back at once what dead drain runs held."""
 
+import json
 import math
 import time
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,73 +19,92 @@ FAILED = (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
 # Runs of one day's resync before the catch-up gives up until the next day (each failure alerts).
 CATCHUP_ATTEMPTS = 3
 
-IN_FLIGHT = [
-    dg.DagsterRunStatus.NOT_STARTED,
-    dg.DagsterRunStatus.CANCELING,
-    dg.DagsterRunStatus.QUEUED,
-    dg.DagsterRunStatus.STARTING,
-    dg.DagsterRunStatus.STARTED,
-]
+QUEUED = [dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED]
+RUNNING = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+IN_FLIGHT = QUEUED + RUNNING
+
+# Drain runs that ended this recently are looked at again each tick: whatever their worker held
+# goes back as soon as its session is gone (a run Dagster marked failed may still be exiting).
+ENDED_LOOKBACK_SECONDS = 600
+# A drain run queued this long is reported in the tick (queue_health_sensor alerts on it).
+QUEUED_TOO_LONG_SECONDS = 120
 
 
-# A drain run that has not registered its worker this long after it started is taken for dead
-# (its process could not even reach the queue).
-STARTUP_GRACE_SECONDS = 300.0
-# A registered drain run is dead when its worker's heartbeats stopped for this many intervals.
-SILENT_INTERVALS = 2.5
+def _role_of(run: dg.DagsterRun) -> str | None:
+    ops: Any = run.run_config.get("ops", {})
+    return ops.get("drain_role_tasks", {}).get("config", {}).get("role") or run.tags.get("tq/role")
 
 
-def fail_dead_drain_runs(context: dg.SensorEvaluationContext, tq: QueueResource) -> list[str]:
-    """Mark failed the drain runs Dagster believes STARTED whose process is gone (killed, OOM,
-    evicted pod): their worker's heartbeats in worker_registry stopped. The local run launcher
-    cannot tell; without this such runs would hold their role's cap for good. Returns their ids."""
-    runs = context.instance.get_runs(
-        dg.RunsFilter(job_name=drain_tasks_job.name, statuses=[dg.DagsterRunStatus.STARTED])
-    )
-    by_worker = {}
-    for run in runs:
-        ops: Any = run.run_config.get("ops", {})
-        role = ops.get("drain_role_tasks", {}).get("config", {}).get("role") or run.tags.get("tq/role")
+def release_dead_drain_runs(
+    context: dg.SensorEvaluationContext, tq: QueueResource
+) -> tuple[set[str], dict[str, int]]:
+    """Give back now what the workers of dead drain runs held: those Dagster marked failed or
+    canceled lately, and those it still believes started whose worker's session is gone (the
+    database saw their connection end). Returns the run ids Dagster believes alive that are dead,
+    and what was given back."""
+    ended_after = datetime.fromtimestamp(time.time() - ENDED_LOOKBACK_SECONDS, UTC)
+    records = [
+        *context.instance.get_run_records(dg.RunsFilter(job_name=drain_tasks_job.name, statuses=RUNNING)),
+        *context.instance.get_run_records(
+            dg.RunsFilter(job_name=drain_tasks_job.name, statuses=list(FAILED), updated_after=ended_after)
+        ),
+    ]
+    workers = {}
+    for record in records:
+        role = _role_of(record.dagster_run)
         if role:
-            by_worker[drain_worker_id(role, run.run_id)] = run
-    if not by_worker:
-        return []
-    alive = tq.queue.worker_liveness(list(by_worker))
-    dead = []
-    for worker_id, run in by_worker.items():
-        seen = alive.get(worker_id)
-        if seen is None:
-            record = context.instance.get_run_record_by_id(run.run_id)
-            started = record.start_time if record else None
-            if started is None or time.time() - started < STARTUP_GRACE_SECONDS:
-                continue
-            why = f"its worker never registered in {STARTUP_GRACE_SECONDS:.0f} s"
-        elif seen["status"] == "offline" or seen["silent_seconds"] <= max(
-            10.0, SILENT_INTERVALS * seen["heartbeat_seconds"]
-        ):
-            continue  # alive, or done and finishing
-        else:
-            why = f"its worker {worker_id} has been silent for {seen['silent_seconds']:.0f} s"
-        context.instance.report_run_failed(
-            run, message=f"drain run presumed dead: {why}; its tasks come back with their leases"
-        )
-        dead.append(run.run_id)
-    return dead
+            workers[drain_worker_id(role, record.dagster_run.run_id)] = record.dagster_run
+    if not workers:
+        return set(), {"workers": 0, "recovered": 0, "failed": 0}
+    sessions = tq.queue.worker_liveness(list(workers))
+    zombies = {
+        run.run_id
+        for worker_id, run in workers.items()
+        if run.status in RUNNING
+        and (s := sessions.get(worker_id)) is not None
+        and s["session_alive"] is False
+    }
+    report = tq.queue.release_dead_workers(list(workers))
+    given = {"workers": report.workers_offline, "recovered": report.recovered, "failed": report.failed}
+    return zombies, given
+
+
+def _cursor(context: dg.SensorEvaluationContext) -> tuple[str, int, set[str]]:
+    """The sensor's epoch (new when the cursor is reset), tick counter, and the roles that had
+    claimable work at the last tick. Run keys are remembered for good, so each tick's keys are
+    its own, and a tick evaluated twice (its cursor not saved) asks for the same runs again,
+    which Dagster launches once."""
+    try:
+        saved = json.loads(context.cursor or "")
+        return str(saved["epoch"]), int(saved["tick"]) + 1, set(saved.get("backlog", []))
+    except (ValueError, TypeError, KeyError):
+        return uuid.uuid4().hex[:8], 1, set()
 
 
 @dg.sensor(job=drain_tasks_job, minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING)
 def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) -> dg.SensorResult:
-    """One drain run per ``tasks_per_run`` ready tasks of a role, no more than its idle stores
-    can feed (a claim takes one task per store), up to the role's cap less the runs of that role
-    already queued or running. The roles are worker_task_roles'; one without a handler gets no
-    run (queue_health_sensor alerts on it)."""
+    """Drain runs for roles with ready work: as many as the backlog asks for (one per
+    ``tasks_per_run`` ready tasks, no more than its idle stores can feed) less the role's runs
+    alive or queued, within the role's cap. A drain run stays while work keeps coming, so this
+    only tops up. Dead runs' tasks come back first, in this tick. The roles are
+    worker_task_roles'; one without a handler gets no run (queue_health_sensor alerts on it)."""
     caps = tq.run_caps
     handlers = load_handlers()
-    for run_id in fail_dead_drain_runs(context, tq):
+    zombies, given = release_dead_drain_runs(context, tq)
+    if given["workers"]:
         context.log.warning(
-            "drain run %s presumed dead (its worker stopped heartbeating): marked failed", run_id
+            "dead drain runs: %s workers' tasks given back (%s pending again, %s failed, out of retries)",
+            given["workers"],
+            given["recovered"],
+            given["failed"],
         )
-    # The short lease: a dead worker's tasks (and stores, and platform slots) come back within
+    for run_id in sorted(zombies):
+        context.log.warning(
+            "drain run %s: Dagster says it runs, but its worker's connection is gone; not counted "
+            "against its role's cap (run monitoring fails it at its dagster/max_runtime)",
+            run_id,
+        )
+    # The short lease: a silent worker's tasks (and stores, and platform slots) come back within
     # a few of its heartbeat intervals, before this tick counts what is claimable.
     expired = tq.queue.expire_leases()
     if expired.recovered or expired.failed:
@@ -92,44 +114,80 @@ def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) ->
             expired.failed,
         )
     work = tq.queue.claimable()
-    # Run keys are remembered forever; a tick counter and the time keep them from colliding.
-    tick = int(context.cursor or 0) + 1
-    stamp = int(time.time())
+    epoch, tick, backlog_before = _cursor(context)
+    backlog: set[str] = set()
+    now = time.time()
     requests: list[dg.RunRequest] = []
-    waiting: list[str] = []
+    status: list[str] = []
     for role in caps:
         ready, claimable = work.get(role, (0, 0))
-        if not ready:
-            continue
-        if role not in handlers:
-            waiting.append(f"{role}: {ready} ready and no handler, not drained")
-            context.log.warning("role %s has %s ready tasks and no handler: no drain run", role, ready)
-            continue
-        in_flight = context.instance.get_run_ids(
+        records = context.instance.get_run_records(
             dg.RunsFilter(job_name=drain_tasks_job.name, tags={"tq/role": role}, statuses=IN_FLIGHT)
         )
+        alive = [r for r in records if r.dagster_run.run_id not in zombies]
+        queued = [r for r in alive if r.dagster_run.status in QUEUED]
+        if not ready and not alive:
+            continue
+        line = f"{role}: {ready} ready, {claimable} claimable, {len(alive) - len(queued)} runs live"
+        if queued:
+            waited = now - min(r.create_timestamp.timestamp() for r in queued)
+            line += f", {len(queued)} queued (longest {waited:.0f} s)"
+            if waited > QUEUED_TOO_LONG_SECONDS:
+                context.log.warning(
+                    "role %s: %s drain runs queued, the longest for %.0f s: the run queue's limits "
+                    "(dagster.yaml: max_concurrent_runs, the tq/kind=drain limit) hold them",
+                    role,
+                    len(queued),
+                    waited,
+                )
+        if ready and role not in handlers:
+            status.append(f"{role}: {ready} ready and no handler, not drained")
+            context.log.warning("role %s has %s ready tasks and no handler: no drain run", role, ready)
+            continue
+        # As many runs as the backlog asks for; and one more when claimable work waited a whole
+        # tick beside live runs (they poll every second or less: they are saturated).
         wanted = min(
-            caps[role] - len(in_flight),
+            caps[role],
             math.ceil(ready / tq.tasks_per_run),
             math.ceil(claimable / tq.drain_batch_size),
-        )
-        waiting.append(f"{role}: {ready} ready, {claimable} claimable now, {len(in_flight)} runs in flight")
+        ) - len(alive)
+        if claimable:
+            backlog.add(role)
+            if wanted <= 0 and role in backlog_before and not queued and len(alive) < caps[role]:
+                wanted = 1
+                line += ", live runs saturated: one more"
+        status.append(line)
         config = DrainConfig(
             role=role,
             batch_size=tq.drain_batch_size,
             concurrency=tq.drain_concurrency,
             time_budget_seconds=tq.drain_time_budget_seconds,
+            idle_poll_seconds=tq.drain_idle_poll_seconds,
+            idle_exit_seconds=tq.drain_idle_exit_seconds,
         )
         requests.extend(
             dg.RunRequest(
-                run_key=f"{role}:{tick}:{stamp}:{i}",
+                run_key=f"{role}:{epoch}:{tick}:{i}",
                 run_config=dg.RunConfig(ops={"drain_role_tasks": config}),
-                tags={"tq/role": role},
+                tags={"tq/role": role, **drain_run_tags(config)},
             )
             for i in range(max(wanted, 0))
         )
-    skip = None if requests else ("; ".join(waiting) or "no ready tasks")
-    return dg.SensorResult(run_requests=requests, skip_reason=skip, cursor=str(tick))
+    skip = None if requests else ("; ".join(status) or "no ready tasks")
+    if requests and status:
+        context.log.info("; ".join(status))
+    cursor = json.dumps({"epoch": epoch, "tick": tick, "backlog": sorted(backlog)})
+    return dg.SensorResult(run_requests=requests, skip_reason=skip, cursor=cursor)
+
+
+# A drain run stops claiming at its time budget, then its handlers have stop_grace_seconds; past
+# this margin more, run monitoring fails it (a run whose process is gone but that Dagster still
+# believes started).
+MAX_RUNTIME_MARGIN_SECONDS = 300
+
+
+def drain_run_tags(config: DrainConfig) -> dict[str, str]:
+    return {"dagster/max_runtime": str(int(config.time_budget_seconds + MAX_RUNTIME_MARGIN_SECONDS))}
 
 
 @dg.sensor(
