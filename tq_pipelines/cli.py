@@ -6,17 +6,21 @@ are checked as they are parsed, the database is reached (or not, with libpq's re
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, date, datetime
 from pathlib import Path
-from typing import NoReturn
+from typing import IO, NoReturn
 
 import psycopg
 
@@ -43,6 +47,15 @@ THRESHOLD_MINUTES = (1, 10_080)
 DEMO_STORES = (1, 10_000)
 PORTS = (1, 65_535)
 PLATFORM_NAME_CHARS = 50
+
+# tq dev keeps the Dagster webserver and daemon up: a process that dies is restarted after a
+# delay growing with its deaths in a row within DEV_QUICK_EXIT_SECONDS of starting, and after
+# DEV_QUICK_EXITS of those (a broken config) tq dev stops with the reason.
+DEV_QUICK_EXIT_SECONDS = 30.0
+DEV_QUICK_EXITS = 3
+DEV_RESTART_DELAYS = (1.0, 3.0)
+# What the processes get to stop after SIGTERM before SIGKILL.
+DEV_STOP_SECONDS = 20.0
 
 
 class CommandError(Exception):
@@ -96,10 +109,23 @@ def _platform_name(text: str) -> str:
     return name
 
 
-def _database() -> str:
+def _database(*, start: bool = True) -> str:
     """The queue database's URL, once a first connection has succeeded (within 5 s, else
-    :class:`DatabaseUnreachable` with libpq's reason)."""
-    url = database_url()
+    :class:`DatabaseUnreachable` with libpq's reason).
+
+    Without ``start`` (commands that only read) an embedded server that is not running is
+    refused rather than started: a server nobody stops would be left behind.
+    """
+    if start or os.environ.get("TQ_DATABASE_URL"):
+        url = database_url()
+    else:
+        running = embedded.running_url()
+        if running is None:
+            raise CommandError(
+                f"the embedded database is not running (no server on {embedded.default_pgdata()}): "
+                "start it with `make dev` or `tq db start`, or set TQ_DATABASE_URL"
+            )
+        url = running
     check_connection(url)
     return url
 
@@ -139,9 +165,11 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 def _cmd_db(args: argparse.Namespace) -> int:
     if args.action == "stop":
         print("stopped" if embedded.stop() else "not running")
+    elif os.environ.get("TQ_DATABASE_URL"):
+        print(redact_conninfo(database_url()))  # shown without its password
     else:
-        # The embedded server's URL has no password; a configured one is shown without it.
-        print(redact_conninfo(database_url()))
+        # The embedded server's URL has an empty password: printed as is, it can be used.
+        print(embedded.start() if args.action == "start" else _database(start=False))
     return 0
 
 
@@ -162,7 +190,7 @@ def _cmd_recover(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    with TaskQueue.connect(_database()) as queue:
+    with TaskQueue.connect(_database(start=False)) as queue:
         rows = queue.capacity()
     header = ("role", "pending", "ready", "claimed", "running", "done/h", "failed/h", "workers")
     print("{:<24}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}".format(*header))
@@ -179,7 +207,7 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
     path: str | None = args.file or os.environ.get("TQ_PLATFORMS_FILE")
     if args.sync and not path:
         raise CommandError("--sync needs a platforms file: give --file or set TQ_PLATFORMS_FILE")
-    with TaskQueue.connect(_database()) as queue:
+    with TaskQueue.connect(_database(start=args.sync)) as queue:
         if args.sync and path:
             changed = sync_limits(queue, load_platform_settings(path))
             print(f"limits loaded from {path}: {changed} platform(s) changed")
@@ -232,7 +260,7 @@ def _cmd_prune(args: argparse.Namespace) -> int:
         pause_seconds=args.pause_seconds,
         time_budget_seconds=args.time_budget_seconds,
     )
-    report = prune(_database(), settings, dry_run=args.dry_run)
+    report = prune(_database(start=not args.dry_run), settings, dry_run=args.dry_run)
     verb = "would delete" if report.dry_run else "deleted"
     for name, table in report.tables.items():
         print(
@@ -244,17 +272,198 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Console:
+    """The console of ``tq dev``: its own lines and the Dagster processes' output, whole lines
+    at a time, without the noise."""
+
+    # Run workers print every event at DEBUG (dagster.yaml's python_logs decides), and each
+    # process that loads the definitions warns once per beta parameter it meets.
+    DEBUG_RECORD = re.compile(rb" - (?:\x1b\[[0-9;]*m)?DEBUG(?:\x1b\[[0-9;]*m)? - ")
+    BETA_WARNING = re.compile(rb": (?:Beta|Preview)Warning: ")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def say(self, text: str) -> None:
+        self._write(f"tq dev: {text}\n".encode())
+
+    def _write(self, line: bytes) -> None:
+        out = getattr(sys.stdout, "buffer", None)
+        # A console gone (a closed pipe) must not stop the pumps: a child whose output is no
+        # longer read would block on its next line.
+        with self._lock, contextlib.suppress(OSError):
+            if out is None:
+                sys.stdout.write(line.decode(errors="replace"))
+            else:
+                out.write(line)
+            sys.stdout.flush()
+
+    def pump(self, stream: IO[bytes]) -> None:
+        """Copy a child's output until every process holding the pipe has closed it."""
+        skip = 0
+        for line in iter(stream.readline, b""):
+            if skip and (line.startswith(b"  ") or not line.strip()):
+                skip -= 1  # the source line (and blank line) printed under a warning
+                continue
+            skip = 0
+            if self.BETA_WARNING.search(line):
+                skip = 2
+            elif not self.DEBUG_RECORD.search(line):
+                self._write(line)
+        stream.close()
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+class _Supervised:
+    """One Dagster process that ``tq dev`` keeps running: restarted with backoff when it dies,
+    given up on after a few deaths in a row soon after starting.
+
+    Each start is a session of its own, so that what the process started (its code server, the
+    run workers the daemon's code server launches) can be stopped with it. The group of a
+    process that died is left alone: a code server finishes its runs and exits by itself once
+    its parent's heartbeats stop. Every group is stopped when ``tq dev`` stops.
+    """
+
+    def __init__(self, name: str, argv: list[str], *, env: dict[str, str], cwd: Path, console: _Console):
+        self.name, self.argv, self.env, self.cwd, self.console = name, argv, env, cwd, console
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.groups: list[int] = []
+        self.pumps: list[threading.Thread] = []
+        self.started_at = 0.0
+        self.quick_exits = 0
+        self.restart_at: float | None = None
+
+    def start(self) -> None:
+        proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            cwd=self.cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert proc.stdout is not None
+        pump = threading.Thread(target=self.console.pump, args=(proc.stdout,), name=self.name, daemon=True)
+        pump.start()
+        self.proc, self.started_at, self.restart_at = proc, time.monotonic(), None
+        self.groups.append(proc.pid)
+        self.pumps.append(pump)
+
+    def check(self) -> None:
+        """Restart the process if it is due; notice if it died (raises after too many quick deaths)."""
+        now = time.monotonic()
+        if self.proc is None:
+            if self.restart_at is not None and now >= self.restart_at:
+                self.start()
+                self.console.say(f"{self.name} restarted (pid {self.pid})")
+            return
+        code = self.proc.poll()
+        if code is None:
+            return
+        ran = now - self.started_at
+        self.quick_exits = self.quick_exits + 1 if ran < DEV_QUICK_EXIT_SECONDS else 0
+        how = _describe_exit(code)
+        pid, self.proc = self.proc.pid, None
+        if self.quick_exits >= DEV_QUICK_EXITS:
+            raise CommandError(
+                f"{self.name} died {self.quick_exits} times in a row within {DEV_QUICK_EXIT_SECONDS:.0f} s "
+                f"of starting (last: {how}); not restarting it (its output is above)"
+            )
+        delay = DEV_RESTART_DELAYS[min(max(self.quick_exits - 1, 0), len(DEV_RESTART_DELAYS) - 1)]
+        self.restart_at = now + delay
+        self.console.say(
+            f"{self.name} (pid {pid}) died after {ran:.0f} s: {how}; restarting it in {delay:.0f} s"
+        )
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        """Whether any process it started (or their children) is still running."""
+        if self.proc is not None and self.proc.poll() is None:
+            return True
+        return any(_group_alive(g) for g in self.groups)
+
+    def send(self, sig: signal.Signals) -> None:
+        for group in self.groups:
+            _signal_group(group, sig)
+
+
+def _stop_all(children: list[_Supervised], console: _Console, signals: list[int]) -> None:
+    """SIGTERM to every group the children ever had; SIGKILL to what is left after
+    DEV_STOP_SECONDS, or at once on a second Ctrl-C."""
+    asked = len(signals)
+    for child in children:
+        child.send(signal.SIGTERM)
+    deadline = time.monotonic() + DEV_STOP_SECONDS
+    while any(c.alive() for c in children):
+        if len(signals) > asked or time.monotonic() > deadline:
+            left = ", ".join(c.name for c in children if c.alive())
+            console.say(f"{left} did not stop: killed")
+            for child in children:
+                child.send(signal.SIGKILL)
+            break
+        time.sleep(0.1)
+    for child in children:
+        if child.proc is not None:
+            child.proc.wait()
+        for pump in child.pumps:
+            pump.join(timeout=2)
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why the webserver could not listen on ``host:port`` (None if it can): said at once,
+    rather than after the webserver has died a few times."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 def _cmd_dev(args: argparse.Namespace) -> int:
-    """Database up and migrated, then `dagster dev` in the foreground; Ctrl-C stops it all."""
+    """Database up and migrated, then the Dagster webserver and daemon, each restarted if it
+    dies; Ctrl-C (or SIGTERM) stops it all."""
     home = Path(args.home).resolve()
     if not (home / "dagster.yaml").is_file() or not (home / "workspace.yaml").is_file():
         raise CommandError(
             f"no dagster.yaml and workspace.yaml in {home} (run it from the checkout, or give --home)"
         )
+    refused = _cannot_listen(args.host, args.port)
+    if refused:
+        raise CommandError(f"cannot listen on {args.host}:{args.port}: {refused} (another --port or --host?)")
     own_server = not os.environ.get("TQ_DATABASE_URL")
     url = _database()
     applied = migrate(url)
-    print(f"tq dev: queue database {'embedded, ' if own_server else ''}migrated ({len(applied)} new)")
+    console = _Console()
+    console.say(f"queue database {'embedded, ' if own_server else ''}migrated ({len(applied)} new)")
     env = {
         **os.environ,
         "TQ_DATABASE_URL": url,
@@ -262,35 +471,57 @@ def _cmd_dev(args: argparse.Namespace) -> int:
         "DAGSTER_HOME": str(home),
     }
     fleet = None
-    if (own_server or args.demo) and not args.no_demo:
-        fleet = start_demo(embedded.default_pgdata().parent / "demo", stores_per_platform=args.demo_stores)
-        created = seed_demo(url, fleet)
-        env |= {"TQ_PLATFORMS_FILE": str(fleet.platforms_file), "TQ_DEMO": "1"}
-        served = ", ".join(f"{n} on {p.base_url}" for n, p in fleet.simulator.platforms.items())
-        print(f"tq dev: demo fleet: {served}; {created} store_discovery tasks queued (--no-demo to skip)")
-    dagster = Path(sys.executable).with_name("dagster")
-    cmd = [str(dagster), "dev", "-w", str(home / "workspace.yaml"), "-h", args.host, "-p", str(args.port)]
-    print(f"tq dev: Dagster UI on http://{args.host}:{args.port} (Ctrl-C stops everything)", flush=True)
-    child = subprocess.Popen(cmd, env=env, cwd=home)
-    # Ctrl-C reaches the whole foreground group; SIGTERM (kill, timeout) reaches only us, so
-    # pass it on as the SIGINT that dagster dev shuts down cleanly on.
-    signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGINT))
+    children: list[_Supervised] = []
+    signals: list[int] = []
     try:
-        while True:
-            try:
-                return child.wait()
-            except KeyboardInterrupt:
-                # From a terminal dagster dev got the same SIGINT; otherwise pass it on. A
-                # second one is harmless: it is already shutting down.
-                child.send_signal(signal.SIGINT)
+        if (own_server or args.demo) and not args.no_demo:
+            fleet = start_demo(
+                embedded.default_pgdata().parent / "demo", stores_per_platform=args.demo_stores
+            )
+            created = seed_demo(url, fleet)
+            env |= {"TQ_PLATFORMS_FILE": str(fleet.platforms_file), "TQ_DEMO": "1"}
+            served = ", ".join(f"{n} on {p.base_url}" for n, p in fleet.simulator.platforms.items())
+            console.say(f"demo fleet: {served}; {created} store_discovery tasks queued (--no-demo to skip)")
+        bin_dir = Path(sys.executable).parent
+        workspace = ["-w", str(home / "workspace.yaml")]
+        levels = ["--code-server-log-level", "warning"]
+        address = ["-h", args.host, "-p", str(args.port), "--dagster-log-level", "info"]
+        children = [
+            _Supervised(
+                "dagster-webserver",
+                [str(bin_dir / "dagster-webserver"), *workspace, *address, *levels],
+                env=env,
+                cwd=home,
+                console=console,
+            ),
+            _Supervised(
+                "dagster-daemon",
+                [str(bin_dir / "dagster-daemon"), "run", *workspace, "--log-level", "info", *levels],
+                env=env,
+                cwd=home,
+                console=console,
+            ),
+        ]
+        # The children are sessions of their own, out of reach of the terminal's Ctrl-C: it is
+        # passed on from here. A handler (not SIG_IGN) also leaves them SIGINT's default.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, _frame: signals.append(signum))
+        console.say(f"Dagster UI on http://{args.host}:{args.port} (Ctrl-C stops everything)")
+        for child in children:
+            child.start()
+        while not signals:
+            for child in children:
+                child.check()
+            time.sleep(0.2)
+        console.say("stopping (Ctrl-C again to kill)")
+        return 0
     finally:
-        if child.poll() is None:
-            child.kill()
+        _stop_all(children, console, signals)
         if fleet is not None:
             fleet.stop()
         if own_server:
             embedded.stop()
-            print("tq dev: embedded PostgreSQL stopped; data kept in", embedded.default_pgdata())
+            console.say(f"embedded PostgreSQL stopped; data kept in {embedded.default_pgdata()}")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -327,8 +558,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("migrate", help="apply the migrations in sql/migrations").set_defaults(func=_cmd_migrate)
 
-    db = sub.add_parser("db", help="the database: print its URL (starting the embedded one) or stop it")
-    db.add_argument("action", choices=["url", "stop"], nargs="?", default="url")
+    db = sub.add_parser(
+        "db", help="the embedded database: print its URL (url), start it and print it (start), or stop it"
+    )
+    db.add_argument("action", choices=["url", "start", "stop"], nargs="?", default="url")
     db.set_defaults(func=_cmd_db)
 
     gen = sub.add_parser("generate", help="create a day's product_resync tasks (idempotent)")

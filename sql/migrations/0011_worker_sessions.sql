@@ -13,6 +13,10 @@
 -- A worker registered the old way (register_worker, no session) is untouched by both: its
 -- leases end by silence (expire_leases, recover_stale_tasks) as before.
 --
+-- A server restart ends every session: a worker registered before the server last started is not
+-- taken for dead by its lock (it registers again on a new connection at its next heartbeat);
+-- its leases end by silence, as before.
+--
 -- What the lock cannot see: a host that vanishes without closing its sockets (a node lost, a
 -- network cut) leaves the server waiting on TCP keepalives; such a worker's tasks come back by
 -- lease expiry, as before.
@@ -22,20 +26,25 @@ ALTER TABLE worker_registry
 COMMENT ON COLUMN worker_registry.session_bound IS
   'The worker holds its session lock (pg_advisory_lock(7471, id)) while it runs: no lock, no worker';
 
--- Is the worker's session alive? Looked up in pg_locks (readable by every role); the two-key form
--- of an advisory lock shows as classid = key 1, objid = key 2, objsubid = 2.
-CREATE OR REPLACE FUNCTION tq_session_alive(p_registry_id INTEGER)
+-- Is the worker's session alive? True while its lock is held, false once it is not, NULL when
+-- the lock says nothing: no session, or one that began before the server last started (the
+-- restart ended it, not the worker). The lock is looked up in pg_locks (readable by every role);
+-- the two-key form of an advisory lock shows as classid = key 1, objid = key 2, objsubid = 2.
+CREATE OR REPLACE FUNCTION tq_session_alive(w worker_registry)
 RETURNS BOOLEAN AS $$
-  SELECT EXISTS (
-    SELECT 1
-    FROM pg_locks l
-    WHERE l.locktype = 'advisory'
-      AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-      AND l.classid = 7471::OID
-      AND l.objid = p_registry_id::OID
-      AND l.objsubid = 2
-      AND l.granted
-  );
+  SELECT CASE
+    WHEN EXISTS (
+      SELECT 1
+      FROM pg_locks l
+      WHERE l.locktype = 'advisory'
+        AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+        AND l.classid = 7471::OID
+        AND l.objid = w.id::OID
+        AND l.objsubid = 2
+        AND l.granted
+    ) THEN true
+    WHEN w.session_bound AND w.started_at > pg_postmaster_start_time() THEN false
+  END;
 $$ LANGUAGE sql STABLE;
 
 CREATE OR REPLACE FUNCTION register_worker_session(
@@ -75,7 +84,8 @@ $$ LANGUAGE plpgsql;
 
 -- The tasks of the named workers whose session has ended go back to pending now (a retry
 -- spent, as when a lease expires: the handler may have begun), or fail when out of retries;
--- the workers go offline. Workers without a session, or whose session is alive, are left alone.
+-- the workers go offline. Workers without a session, whose session is alive, or already offline
+-- (they deregistered, or were released before) are left alone.
 CREATE OR REPLACE FUNCTION release_dead_workers(p_worker_ids VARCHAR(100)[])
 RETURNS TABLE(workers INTEGER, recovered INTEGER, failed INTEGER) AS $$
 BEGIN
@@ -88,8 +98,8 @@ BEGIN
     SELECT w.id, w.worker_id
     FROM worker_registry w
     WHERE w.worker_id = ANY(p_worker_ids)
-      AND w.session_bound
-      AND NOT tq_session_alive(w.id)
+      AND w.status <> 'offline'
+      AND tq_session_alive(w) IS false
   ),
   released AS (
     UPDATE worker_tasks t
@@ -123,8 +133,8 @@ BEGIN
 END;
 $$ LANGUAGE plpgsql;
 
--- worker_liveness for the drain sensor: whether each worker's session is alive (NULL for a
--- worker without one).
+-- worker_liveness for the drain sensor: whether each worker's session is alive (NULL when its
+-- lock says nothing, see tq_session_alive).
 CREATE OR REPLACE FUNCTION worker_sessions(p_worker_ids VARCHAR(100)[])
 RETURNS TABLE(
   worker_id VARCHAR(100),
@@ -136,7 +146,7 @@ RETURNS TABLE(
   SELECT w.worker_id, w.status,
          extract(EPOCH FROM now() - w.last_heartbeat_at)::FLOAT8,
          coalesce(w.heartbeat_seconds, 30)::FLOAT8,
-         CASE WHEN w.session_bound THEN tq_session_alive(w.id) END
+         tq_session_alive(w)
   FROM worker_registry w
   WHERE w.worker_id = ANY(p_worker_ids);
 $$ LANGUAGE sql STABLE;

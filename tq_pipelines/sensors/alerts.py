@@ -1,16 +1,34 @@
 """Alerts: failed runs, and the queue's health (stuck tasks, failure rate, drain time)."""
 
 import json
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from typing import Self
 
 import dagster as dg
 from pydantic import Field
 
-from tq_pipelines.alerts import Alert, AlertResource
-from tq_pipelines.freshness import DEFAULT_SLA_HOURS, DEFAULT_STALE_SHARE, MAX_SLA_HOURS, stale_store_problems
+from tq_pipelines.alerts import Alert, AlertResource, Delivery, alert_id
+from tq_pipelines.freshness import (
+    DEFAULT_FAILURE_RATE,
+    DEFAULT_SLA_HOURS,
+    DEFAULT_STALE_SHARE,
+    MAX_SLA_HOURS,
+    stale_store_problems,
+)
 from tq_pipelines.handlers import HOW_TO_PLUG_IN, HandlerRegistryError, load_handlers
 from tq_pipelines.resources import QueueResource, settings_validator
+
+# The delivery of one failed run's alert. Dagster handles up to 5 failed runs in a tick
+# (DAGSTER_RUN_STATUS_SENSOR_PROCESS_LIMIT): 5 times this stays under its 60 s limit on a tick.
+RUN_ALERT_SECONDS = 8.0
+# queue_health_sensor's checks and deliveries together, under Dagster's 60 s limit with room:
+# a tick that overruns it saves no cursor, and its alerts go out again.
+TICK_SECONDS = 18.0
+# A channel failing tick after tick waits base, 2x, 4x, 8x, then 16x AlertResource.retry_backoff_seconds.
+MAX_BACKOFF_DOUBLINGS = 4
 
 
 @dg.run_failure_sensor(name="run_failure_alert_sensor", default_status=dg.DefaultSensorStatus.RUNNING)
@@ -24,20 +42,22 @@ def run_failure_alert_sensor(context: dg.RunFailureSensorContext, alerts: AlertR
         for e in context.get_step_failure_events()
         if (error := getattr(e.event_specific_data, "error", None)) is not None
     ]
-    alerts.send(
-        Alert(
-            title=f"{run.job_name} failed" + (f" (role {role})" if role else ""),
-            text="\n".join([context.failure_event.message or "run failed", *errors]),
-            url=alerts.run_url(run.run_id),
-        ),
-        context.log,
+    alert = Alert(
+        title=f"{run.job_name} failed" + (f" (role {role})" if role else ""),
+        text="\n".join([context.failure_event.message or "run failed", *errors]),
+        url=alerts.run_url(run.run_id),
+        id=alert_id("run_failure", run.run_id),
     )
+    # Sent once: Dagster's cursor moves past the run whatever the channels did.
+    alerts.deliver([alert], context.log, deadline_seconds=RUN_ALERT_SECONDS)
 
 
 class HealthThresholds(dg.ConfigurableResource):
     """When queue_health_sensor raises an alert. Bounds checked as QueueResource's are."""
 
-    failure_rate: float = Field(default=0.2, ge=0, le=1)
+    failure_rate: float = Field(
+        default=DEFAULT_FAILURE_RATE, ge=0, le=1, description="Share of a role's finished tasks failing"
+    )
     min_finished: int = Field(
         default=20, ge=1, le=1_000_000, description="Finished tasks in the hour before a rate counts"
     )
@@ -178,17 +198,131 @@ def queue_problems(tq: QueueResource, limits: HealthThresholds, now: datetime) -
     return problems
 
 
+@dataclass
+class Tracked:
+    """A problem the sensor knows of: since when, its alert's id, the channels that took the
+    alert, and how many of its deliveries failed (the more, the later it is tried)."""
+
+    since: str
+    id: str
+    took: set[str] = field(default_factory=set)
+    failures: int = 0
+
+
+@dataclass
+class Backoff:
+    """A channel that failed ``failures`` ticks in a row, tried again from ``retry_at``."""
+
+    failures: int
+    retry_at: str
+
+
+@dataclass
+class HealthCursor:
+    """queue_health_sensor's cursor: every current problem, and the channels backing off."""
+
+    alerts: dict[str, Tracked] = field(default_factory=dict)
+    backoff: dict[str, Backoff] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, text: str | None, channels: set[str], now: datetime) -> Self:
+        data = json.loads(text) if text else {}
+        if isinstance(data, list):
+            # The cursor of earlier versions: the keys every channel had taken.
+            since = now.isoformat()
+            return cls({k: Tracked(since, alert_id(k, since), set(channels)) for k in data})
+        return cls(
+            {
+                k: Tracked(a["since"], a["id"], set(a["took"]), a["failures"])
+                for k, a in data.get("alerts", {}).items()
+            },
+            {c: Backoff(b["failures"], b["retry_at"]) for c, b in data.get("backoff", {}).items()},
+        )
+
+    def dump(self) -> str:
+        return json.dumps(
+            {
+                "alerts": {
+                    k: {"id": a.id, "since": a.since, "took": sorted(a.took), "failures": a.failures}
+                    for k, a in sorted(self.alerts.items())
+                },
+                "backoff": {
+                    c: {"failures": b.failures, "retry_at": b.retry_at} for c, b in self.backoff.items()
+                },
+            }
+        )
+
+    def track(self, problems: Problems, channels: set[str], now: datetime) -> None:
+        """Forget the problems that cleared (sent or not: what they said no longer holds), start
+        the new ones, and drop the backoff of channels no longer configured."""
+        self.alerts = {k: a for k, a in self.alerts.items() if k in problems}
+        for key in problems.keys() - self.alerts.keys():
+            since = now.isoformat()
+            self.alerts[key] = Tracked(since, alert_id(key, since))
+        self.backoff = {c: b for c, b in self.backoff.items() if c in channels}
+
+    def ready(self, channels: set[str], now: datetime) -> set[str]:
+        return {
+            c
+            for c in channels
+            if c not in self.backoff or datetime.fromisoformat(self.backoff[c].retry_at) <= now
+        }
+
+    def due(self, channels: set[str]) -> list[str]:
+        """The keys of alerts one of ``channels`` has not taken; those that failed least first."""
+        waiting = [k for k, a in self.alerts.items() if channels - a.took]
+        return sorted(waiting, key=lambda k: (self.alerts[k].failures, self.alerts[k].since, k))
+
+    def record(self, keys: list[str], delivery: Delivery, now: datetime, backoff_seconds: float) -> None:
+        by_id = {self.alerts[k].id: self.alerts[k] for k in keys}
+        for i, took in delivery.took.items():
+            by_id[i].took |= took
+        for channel in set().union(*delivery.took.values()) - delivery.failed.keys() - {"log"}:
+            self.backoff.pop(channel, None)
+        for channel, i in delivery.failed.items():
+            by_id[i].failures += 1
+            failures = self.backoff[channel].failures + 1 if channel in self.backoff else 1
+            wait = backoff_seconds * 2 ** min(failures - 1, MAX_BACKOFF_DOUBLINGS)
+            self.backoff[channel] = Backoff(failures, (now + timedelta(seconds=wait)).isoformat())
+
+    def waiting(self, channels: set[str]) -> str:
+        """The alerts not yet delivered, per channel, in words ("" if none)."""
+        parts = []
+        for c in sorted(channels):
+            count = sum(c not in a.took for a in self.alerts.values())
+            if count:
+                retry = self.backoff.get(c)
+                when = f", next try {datetime.fromisoformat(retry.retry_at):%H:%M:%S} UTC" if retry else ""
+                parts.append(f"{count} for {c}{when}")
+        return "; waiting: " + ", ".join(parts) if parts else ""
+
+
 @dg.sensor(minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING)
 def queue_health_sensor(
     context: dg.SensorEvaluationContext, tq: QueueResource, alerts: AlertResource, health: HealthThresholds
 ) -> dg.SkipReason:
-    """Alerts once when a problem appears (and again if it clears and comes back)."""
-    problems = queue_problems(tq, health, datetime.now(UTC))
-    already = set(json.loads(context.cursor)) if context.cursor else set()
-    sent = set()
-    for key in sorted(problems.keys() - already):
-        # Remembered only once every configured channel took it; otherwise tried next tick.
-        if set(alerts.send(problems[key], context.log)) >= alerts.configured_channels():
-            sent.add(key)
-    context.update_cursor(json.dumps(sorted((problems.keys() & already) | sent)))
-    return dg.SkipReason("healthy" if not problems else "alerting: " + ", ".join(sorted(problems)))
+    """Alerts once when a problem appears (and again if it clears and comes back), each alert with
+    a stable id. What a channel has not taken waits in the cursor and is tried on later ticks, a
+    failing channel backing off; a channel that took an alert never gets it again. The tick ends
+    within :data:`TICK_SECONDS` whatever the channels do, its cursor saved."""
+    started = time.monotonic()
+    now = datetime.now(UTC)
+    problems = queue_problems(tq, health, now)
+    channels = alerts.configured_channels()
+    state = HealthCursor.load(context.cursor, channels, now)
+    state.track(problems, channels, now)
+    ready = state.ready(channels, now)
+    try:
+        if keys := state.due(ready):
+            delivery = alerts.deliver(
+                [replace(problems[k], id=state.alerts[k].id) for k in keys],
+                context.log,
+                done={state.alerts[k].id: state.alerts[k].took for k in keys},
+                channels=ready,
+                deadline_seconds=TICK_SECONDS - (time.monotonic() - started),
+            )
+            state.record(keys, delivery, datetime.now(UTC), alerts.retry_backoff_seconds)
+    finally:
+        context.update_cursor(state.dump())
+    summary = "healthy" if not problems else "alerting: " + ", ".join(sorted(problems))
+    return dg.SkipReason(summary + state.waiting(channels))
