@@ -1606,8 +1606,8 @@ BEGIN
     SELECT w.id, w.worker_id
     FROM worker_registry w
     WHERE w.worker_id = ANY(p_worker_ids)
-      AND w.session_bound
-      AND NOT tq_session_alive(w.id)
+      AND w.status <> 'offline'
+      AND tq_session_alive(w) IS false
   ),
   released AS (
     UPDATE worker_tasks t
@@ -2824,22 +2824,61 @@ $$;
 
 
 --
--- Name: tq_session_alive(integer); Type: FUNCTION; Schema: public; Owner: -
+-- Name: worker_registry; Type: TABLE; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.tq_session_alive(p_registry_id integer) RETURNS boolean
+CREATE TABLE public.worker_registry (
+    id integer NOT NULL,
+    worker_id character varying(100) NOT NULL,
+    role character varying(50) NOT NULL,
+    pod_name character varying(100),
+    hostname character varying(100),
+    started_at timestamp with time zone DEFAULT now(),
+    last_heartbeat_at timestamp with time zone DEFAULT now(),
+    tasks_completed integer DEFAULT 0,
+    tasks_failed integer DEFAULT 0,
+    status character varying(20) DEFAULT 'active'::character varying,
+    heartbeat_seconds double precision,
+    session_bound boolean DEFAULT false NOT NULL,
+    CONSTRAINT valid_worker_status CHECK (((status)::text = ANY ((ARRAY['active'::character varying, 'idle'::character varying, 'offline'::character varying])::text[]))),
+    CONSTRAINT worker_registry_heartbeat_seconds_check CHECK ((heartbeat_seconds > (0)::double precision))
+);
+
+
+--
+-- Name: TABLE worker_registry; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON TABLE public.worker_registry IS 'Registry of workers: heartbeats and completed/failed counts';
+
+
+--
+-- Name: COLUMN worker_registry.session_bound; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.worker_registry.session_bound IS 'The worker holds its session lock (pg_advisory_lock(7471, id)) while it runs: no lock, no worker';
+
+
+--
+-- Name: tq_session_alive(public.worker_registry); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_session_alive(w public.worker_registry) RETURNS boolean
     LANGUAGE sql STABLE
     AS $$
-  SELECT EXISTS (
-    SELECT 1
-    FROM pg_locks l
-    WHERE l.locktype = 'advisory'
-      AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-      AND l.classid = 7471::OID
-      AND l.objid = p_registry_id::OID
-      AND l.objsubid = 2
-      AND l.granted
-  );
+  SELECT CASE
+    WHEN EXISTS (
+      SELECT 1
+      FROM pg_locks l
+      WHERE l.locktype = 'advisory'
+        AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+        AND l.classid = 7471::OID
+        AND l.objid = w.id::OID
+        AND l.objsubid = 2
+        AND l.granted
+    ) THEN true
+    WHEN w.session_bound AND w.started_at > pg_postmaster_start_time() THEN false
+  END;
 $$;
 
 
@@ -3231,7 +3270,7 @@ CREATE FUNCTION public.worker_sessions(p_worker_ids character varying[]) RETURNS
   SELECT w.worker_id, w.status,
          extract(EPOCH FROM now() - w.last_heartbeat_at)::FLOAT8,
          coalesce(w.heartbeat_seconds, 30)::FLOAT8,
-         CASE WHEN w.session_bound THEN tq_session_alive(w.id) END
+         tq_session_alive(w)
   FROM worker_registry w
   WHERE w.worker_id = ANY(p_worker_ids);
 $$;
@@ -3720,42 +3759,6 @@ CREATE VIEW public.v_worker_capacity AS
 --
 
 COMMENT ON VIEW public.v_worker_capacity IS 'Real-time capacity planning metrics per role';
-
-
---
--- Name: worker_registry; Type: TABLE; Schema: public; Owner: -
---
-
-CREATE TABLE public.worker_registry (
-    id integer NOT NULL,
-    worker_id character varying(100) NOT NULL,
-    role character varying(50) NOT NULL,
-    pod_name character varying(100),
-    hostname character varying(100),
-    started_at timestamp with time zone DEFAULT now(),
-    last_heartbeat_at timestamp with time zone DEFAULT now(),
-    tasks_completed integer DEFAULT 0,
-    tasks_failed integer DEFAULT 0,
-    status character varying(20) DEFAULT 'active'::character varying,
-    heartbeat_seconds double precision,
-    session_bound boolean DEFAULT false NOT NULL,
-    CONSTRAINT valid_worker_status CHECK (((status)::text = ANY ((ARRAY['active'::character varying, 'idle'::character varying, 'offline'::character varying])::text[]))),
-    CONSTRAINT worker_registry_heartbeat_seconds_check CHECK ((heartbeat_seconds > (0)::double precision))
-);
-
-
---
--- Name: TABLE worker_registry; Type: COMMENT; Schema: public; Owner: -
---
-
-COMMENT ON TABLE public.worker_registry IS 'Registry of workers: heartbeats and completed/failed counts';
-
-
---
--- Name: COLUMN worker_registry.session_bound; Type: COMMENT; Schema: public; Owner: -
---
-
-COMMENT ON COLUMN public.worker_registry.session_bound IS 'The worker holds its session lock (pg_advisory_lock(7471, id)) while it runs: no lock, no worker';
 
 
 --

@@ -3,6 +3,7 @@ webhook on 127.0.0.1: how many drain runs task_queue_sensor asks for, and which 
 webhook, once each."""
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,13 +87,22 @@ def test_queue_sensor_requests_the_cap_for_a_long_queue(
         # What the sensor asks for is a valid run config of the job it launches.
         dg.validate_run_config(drain_tasks_job, request.run_config)
     assert len({r.run_key for r in requests}) == 3
-    assert first.cursor == "1"
+    assert first.cursor is not None
+    epoch, tick = json.loads(first.cursor)["epoch"], json.loads(first.cursor)["tick"]
+    assert tick == 1
 
+    # None of them launched (nothing runs them here): the next tick asks again, under new keys
+    # of the same epoch.
     second = evaluate_queue_sensor(instance, db_url, cursor=first.cursor)
     assert len(second.run_requests) == 3
-    assert second.cursor == "2"
+    assert second.cursor is not None
+    assert (json.loads(second.cursor)["epoch"], json.loads(second.cursor)["tick"]) == (epoch, 2)
     keys = [r.run_key for r in requests + second.run_requests]
     assert len(set(keys)) == 6, keys
+    # A tick evaluated again from the same cursor (its own was not saved) asks for the same keys,
+    # which Dagster launches once.
+    again = evaluate_queue_sensor(instance, db_url, cursor=first.cursor)
+    assert [r.run_key for r in again.run_requests] == [r.run_key for r in second.run_requests]
 
 
 def test_queue_sensor_passes_drain_settings_to_the_run(
@@ -163,6 +173,7 @@ def test_queue_sensor_counts_runs_already_in_flight(
     add_drain_run(instance, ROLE, dg.DagsterRunStatus.SUCCESS)
     add_drain_run(instance, ROLE, dg.DagsterRunStatus.FAILURE)
     add_drain_run(instance, "product_discovery", dg.DagsterRunStatus.QUEUED)
+    # The backlog asks for the cap (3); one run is queued already: two more.
     assert len(evaluate_queue_sensor(instance, db_url).run_requests) == 2
 
     add_drain_run(instance, ROLE, dg.DagsterRunStatus.STARTED)
@@ -171,7 +182,7 @@ def test_queue_sensor_counts_runs_already_in_flight(
     add_drain_run(instance, ROLE, dg.DagsterRunStatus.QUEUED)
     data = evaluate_queue_sensor(instance, db_url)
     assert data.run_requests == []
-    assert data.skip_message is not None and "3 runs in flight" in data.skip_message
+    assert data.skip_message is not None and "1 runs live, 2 queued" in data.skip_message
 
 
 def test_queue_sensor_does_not_launch_runs_that_cannot_claim(
@@ -207,7 +218,8 @@ def evaluate_health(
 ) -> Any:
     resources = {
         "tq": QueueResource(database_url=db_url),
-        "alerts": AlertResource(webhook_url=webhook.url),
+        # A refused alert is tried again on the next tick, with no backoff.
+        "alerts": AlertResource(webhook_url=webhook.url, retry_backoff_seconds=0),
         "health": HealthThresholds(**limits),
     }
     with dg.build_sensor_context(instance=instance, cursor=cursor, resources=resources) as ctx:
@@ -300,7 +312,7 @@ def test_health_alerts_on_a_roles_failure_rate(
     assert len(webhook.posts) == 1, webhook.titles()
     assert webhook.posts[0]["title"] == f"{ROLE}: failure rate 33% in the last hour"
     assert "10 of 30" in webhook.posts[0]["text"]
-    assert json.loads(data.cursor) == [f"failure_rate:{ROLE}"]
+    assert list(json.loads(data.cursor)["alerts"]) == [f"failure_rate:{ROLE}"]
 
     evaluate_health(instance, db_url, webhook, data.cursor, failure_rate=0.2, min_finished=20)
     assert len(webhook.posts) == 1
@@ -385,3 +397,21 @@ def test_an_unreachable_webhook_does_not_fail_the_sensor(db_url: str, instance: 
     )
     alerts = AlertResource(webhook_url="http://127.0.0.1:1/nothing-listens-here", timeout_seconds=5)
     alert_for_failed_run(instance, result, alerts)  # logs the delivery failure, raises nothing
+
+
+def test_health_alerts_on_drain_runs_that_stay_queued(
+    own_instance: dg.DagsterInstance, db_url: str, webhook: Webhook
+):
+    # A run queued a moment ago is normal; one held past the limit is a role not drained.
+    add_drain_run(own_instance, "product_discovery", dg.DagsterRunStatus.STARTED)
+    add_drain_run(own_instance, ROLE, dg.DagsterRunStatus.QUEUED)
+    fresh = evaluate_health(own_instance, db_url, webhook, None, queued_run_seconds=60)
+    assert "queued_runs" not in (fresh.skip_message or "")
+    time.sleep(1.5)
+    held = evaluate_health(own_instance, db_url, webhook, fresh.cursor, queued_run_seconds=1)
+    assert held.skip_message is not None and f"queued_runs:{ROLE}" in held.skip_message
+    assert "queued_runs:product_discovery" not in held.skip_message
+    assert webhook.titles() == [f"{ROLE}: drain runs queued for 0 minutes"]
+    # Still held next tick: not sent again.
+    evaluate_health(own_instance, db_url, webhook, held.cursor, queued_run_seconds=1)
+    assert len(webhook.titles()) == 1

@@ -71,6 +71,9 @@ class HealthThresholds(dg.ConfigurableResource):
     platform_min_errors: int = Field(
         default=10, ge=1, le=1_000_000, description="Errors in the window before it counts"
     )
+    queued_run_seconds: int = Field(
+        default=600, ge=1, le=86_400, description="A drain run queued this long, not started, alerts"
+    )
     store_sla_hours: int = Field(
         default=DEFAULT_SLA_HOURS,
         ge=1,
@@ -297,6 +300,32 @@ class HealthCursor:
         return "; waiting: " + ", ".join(parts) if parts else ""
 
 
+def stalled_run_problems(instance: dg.DagsterInstance, limits: HealthThresholds, now: datetime) -> Problems:
+    """Roles whose drain runs have waited in Dagster's run queue past the limit: whatever holds
+    them (max_concurrent_runs, the tq/kind=drain or tq/role limits, runs that do not end), the
+    role is not drained and its tasks wait."""
+    queued = instance.get_run_records(
+        dg.RunsFilter(
+            job_name="drain_tasks_job",
+            statuses=[dg.DagsterRunStatus.QUEUED],
+            created_before=now - timedelta(seconds=limits.queued_run_seconds),
+        )
+    )
+    waiting: dict[str, list[float]] = {}
+    for record in queued:
+        role = record.dagster_run.tags.get("tq/role", "?")
+        waiting.setdefault(role, []).append((now - record.create_timestamp).total_seconds())
+    return {
+        f"queued_runs:{role}": Alert(
+            f"{role}: drain runs queued for {max(seconds) / 60:.0f} minutes",
+            f"{len(seconds)} drain run(s) of {role} have waited over {limits.queued_run_seconds} s "
+            "to start: the run queue's limits hold them (dagster.yaml: max_concurrent_runs, the "
+            "tq/kind=drain and tq/role limits). See Overview > Runs, queued runs, for what holds them.",
+        )
+        for role, seconds in sorted(waiting.items())
+    }
+
+
 @dg.sensor(minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING)
 def queue_health_sensor(
     context: dg.SensorEvaluationContext, tq: QueueResource, alerts: AlertResource, health: HealthThresholds
@@ -307,7 +336,7 @@ def queue_health_sensor(
     within :data:`TICK_SECONDS` whatever the channels do, its cursor saved."""
     started = time.monotonic()
     now = datetime.now(UTC)
-    problems = queue_problems(tq, health, now)
+    problems = queue_problems(tq, health, now) | stalled_run_problems(context.instance, health, now)
     channels = alerts.configured_channels()
     state = HealthCursor.load(context.cursor, channels, now)
     state.track(problems, channels, now)
