@@ -6,6 +6,7 @@ import dagster as dg
 
 from tq_pipelines.alerts import AlertResource
 from tq_pipelines.assets import task_completion_log, task_completion_log_job
+from tq_pipelines.bindings import crawl_resource, queue_resource
 from tq_pipelines.freshness import store_freshness, store_freshness_job, store_freshness_schedule
 from tq_pipelines.handlers import load_handlers
 from tq_pipelines.jobs import (
@@ -13,15 +14,21 @@ from tq_pipelines.jobs import (
     drain_tasks_job,
     enqueue_analytics_refresh_job,
     enqueue_store_discovery_job,
-    generate_resync_tasks_job,
     recover_stale_tasks_job,
 )
+from tq_pipelines.lineage import observable_tables, table_rows_sensor
 from tq_pipelines.prune import prune_job, prune_schedule
-from tq_pipelines.resources import CrawlResource, QueueResource
+from tq_pipelines.resync import (
+    backfill_finished,
+    generate_resync_tasks,
+    generate_resync_tasks_job,
+    generate_resync_tasks_schedule,
+    resync_catchup_sensor,
+    resync_progress_sensor,
+)
 from tq_pipelines.schedules import (
     analytics_refresh_schedule,
     demo_crawl_schedule,
-    generate_resync_tasks_schedule,
     recover_stale_tasks_schedule,
     store_discovery_schedule,
     task_completion_log_current_hour_schedule,
@@ -29,7 +36,7 @@ from tq_pipelines.schedules import (
 )
 from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
 from tq_pipelines.sensors.platforms import platform_limits_asset, platform_status_sensor
-from tq_pipelines.sensors.queue import resync_catchup_sensor, task_queue_sensor
+from tq_pipelines.sensors.queue import task_queue_sensor
 
 # A plugged-in handler that cannot be loaded is an error here, at load, not a failed task at 3 a.m.
 # A role with no handler at all is not: roles are rows of worker_task_roles, and one without a
@@ -40,7 +47,18 @@ load_handlers()
 DEMO = os.environ.get("TQ_DEMO") == "1"
 
 defs = dg.Definitions(
-    assets=[task_completion_log, platform_limits_asset, store_freshness],
+    # One lineage: platforms and stores, the daily resync, the queue, the menus and their
+    # history, and what is computed from them; each asset links to the code that defines it.
+    assets=dg.with_source_code_references(
+        [
+            platform_limits_asset,
+            *observable_tables,
+            generate_resync_tasks,
+            task_completion_log,
+            store_freshness,
+        ]
+    ),
+    asset_checks=[backfill_finished],
     jobs=[
         generate_resync_tasks_job,
         recover_stale_tasks_job,
@@ -66,13 +84,15 @@ defs = dg.Definitions(
     sensors=[
         task_queue_sensor,
         resync_catchup_sensor,
+        resync_progress_sensor,
+        table_rows_sensor,
         queue_health_sensor,
         run_failure_alert_sensor,
         platform_status_sensor,
     ],
     resources={
-        "tq": QueueResource(database_url=dg.EnvVar("TQ_DATABASE_URL")),
-        "crawl": CrawlResource(),
+        "tq": queue_resource,
+        "crawl": crawl_resource,
         "alerts": AlertResource(),
         "health": HealthThresholds(),
     },

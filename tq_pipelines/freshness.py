@@ -2,7 +2,7 @@
 SLA, since when, and an alert when their share passes a threshold."""
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 from psycopg.rows import dict_row
@@ -10,7 +10,7 @@ from pydantic import Field
 
 from tq_pipelines.alerts import Alert
 from tq_pipelines.db.queries import query
-from tq_pipelines.jobs import DB_POOL
+from tq_pipelines.lineage import CRAWL_OWNERS, DISPENSARIES, FLEET, PRODUCTS, STORE_FRESHNESS
 from tq_pipelines.queue import TaskQueue
 from tq_pipelines.resources import QueueResource
 
@@ -19,6 +19,8 @@ from tq_pipelines.resources import QueueResource
 DEFAULT_SLA_HOURS = 26
 MAX_SLA_HOURS = 720
 DEFAULT_STALE_SHARE = 0.05
+# The share of a role's finished tasks in an hour that may fail before it is a problem.
+DEFAULT_FAILURE_RATE = 0.2
 STALE_SHARE_CHECK = "stale_share_below_threshold"
 
 WHAT_TO_DO = (
@@ -129,12 +131,19 @@ class StoreFreshnessConfig(dg.Config):
 
 
 @dg.asset(
-    pool=DB_POOL,
+    key=STORE_FRESHNESS,
+    deps=[DISPENSARIES, PRODUCTS],
+    group_name=FLEET,
+    owners=CRAWL_OWNERS,
     kinds={"postgres"},
+    # Materialised every five minutes (store_freshness_schedule).
+    freshness_policy=dg.FreshnessPolicy.time_window(
+        fail_window=timedelta(minutes=30), warn_window=timedelta(minutes=15)
+    ),
     check_specs=[
         dg.AssetCheckSpec(
             STALE_SHARE_CHECK,
-            asset="store_freshness",
+            asset=STORE_FRESHNESS,
             description="No platform has more than the threshold's share of its enabled stores stale",
         )
     ],
@@ -149,6 +158,7 @@ def store_freshness(
     enabled = sum(p.enabled for p in platforms)
     stale = sum(p.stale for p in platforms)
     metadata: dict[str, dg.MetadataValue] = {
+        "dagster/row_count": dg.MetadataValue.int(len(platforms)),
         "sla_hours": dg.MetadataValue.int(config.sla_hours),
         "stores_enabled": dg.MetadataValue.int(enabled),
         "stores_stale": dg.MetadataValue.int(stale),

@@ -1,4 +1,4 @@
-"""Jobs that run the queue: daily resync generation, stale recovery, and draining a role."""
+"""Jobs that run the queue: stale recovery, draining a role, and the periodic tasks no store triggers."""
 
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -11,8 +11,8 @@ from tq_pipelines.crawl.handlers import HTTP_ROLES, enqueue_store_discovery
 from tq_pipelines.crawl.platforms import sync_limits
 from tq_pipelines.demo import enqueue_demo_resyncs
 from tq_pipelines.handlers import BUILTIN, HOW_TO_PLUG_IN, load_handlers
-from tq_pipelines.partitions import resync_partitions_def
 from tq_pipelines.resources import CrawlResource, QueueResource
+from tq_pipelines.resync import generate_resync_tasks_job  # noqa: F401 (importable from here too)
 from tq_pipelines.worker import Worker
 
 # Run slots are shared through the instance's run queue (dagster.yaml): drain runs are capped by
@@ -20,51 +20,8 @@ from tq_pipelines.worker import Worker
 # these jobs go first in the queue. No op claims a concurrency pool: a run killed -9 never
 # gives a pool slot back.
 MAINTENANCE_TAGS = {"dagster/priority": "10"}
-DB_POOL = "tq_database"  # TODO(lead): drop once assets.py and freshness.py no longer name it
 
 # Ops report through output metadata and return nothing (Nothing outputs skip the IO manager).
-
-
-class ResyncConfig(dg.Config):
-    batches_per_day: int = Field(default=6, ge=1, le=24, description="Batches spread evenly over the UTC day")
-    platforms: list[str] = Field(
-        default=[],
-        description="Platforms (menu_type) to resync; empty: every platform in TQ_PLATFORMS_FILE, "
-        "or dutchie without one",
-    )
-
-
-@dg.op(out=dg.Out(dg.Nothing))
-def generate_resync_tasks(
-    context: dg.OpExecutionContext, config: ResyncConfig, tq: QueueResource, crawl: CrawlResource
-):
-    """Create the product_resync tasks of the partition's UTC day. Idempotent."""
-    day = context.partition_time_window.start.date()
-    settings = crawl.settings()
-    if settings:
-        # The file's platforms are known to the queue (and limited) before any store is listed.
-        sync_limits(tq.queue, settings)
-    platforms = config.platforms or sorted(settings) or ["dutchie"]
-    created = tq.queue.generate_resync(day=day, batches_per_day=config.batches_per_day, platforms=platforms)
-    context.log.info("created %s product_resync tasks for %s", created, day)
-    return dg.Output(
-        None,
-        metadata={
-            "date": day.isoformat(),
-            "created": dg.MetadataValue.int(created),
-            "batches_per_day": config.batches_per_day,
-            "platforms": ", ".join(platforms),
-        },
-    )
-
-
-@dg.job(
-    partitions_def=resync_partitions_def,
-    executor_def=dg.in_process_executor,
-    tags={"tq/kind": "resync", **MAINTENANCE_TAGS},
-)
-def generate_resync_tasks_job() -> None:
-    generate_resync_tasks()
 
 
 class RecoverConfig(dg.Config):
@@ -207,10 +164,12 @@ MAX_AUTO_CONCURRENCY = 128
 def drain_role_tasks(
     context: dg.OpExecutionContext, config: DrainConfig, tq: QueueResource, crawl: CrawlResource
 ):
-    """Claim and run the role's tasks until the queue is empty or the time budget is spent.
+    """Claim and run the role's tasks until the time budget is spent, or the queue has been empty
+    for ``idle_exit_seconds`` (at once with the default 0; task_queue_sensor's runs stay).
 
-    A handler exception fails its task, not the run; only the queue itself failing fails the run,
-    and whatever it held is given back by recover_stale_tasks.
+    A handler exception fails its task, not the run; only the queue itself failing fails the run.
+    Whatever a dead run held comes back at task_queue_sensor's next tick (its worker's session
+    ends with the process), else by its leases.
     """
     roles = list(tq.run_caps)
     if config.role not in roles:

@@ -1,4 +1,5 @@
-"""Schedules. Every one is RUNNING by default: `make dev` shows a live system."""
+"""Schedules. Every one is RUNNING by default: `make dev` shows a live system. The daily
+resync's is with its asset (tq_pipelines/resync.py)."""
 
 from datetime import datetime, timedelta
 
@@ -9,20 +10,9 @@ from tq_pipelines.jobs import (
     demo_crawl_job,
     enqueue_analytics_refresh_job,
     enqueue_store_discovery_job,
-    generate_resync_tasks_job,
     recover_stale_tasks_job,
 )
-from tq_pipelines.partitions import hourly_partitions_def
-
-# 00:05 UTC: the day's resync, for that same day (the partitions have end_offset=1).
-RESYNC_HOUR_UTC, RESYNC_MINUTE = 0, 5
-generate_resync_tasks_schedule = dg.build_schedule_from_partitioned_job(
-    generate_resync_tasks_job,
-    name="generate_resync_tasks_schedule",
-    hour_of_day=RESYNC_HOUR_UTC,
-    minute_of_hour=RESYNC_MINUTE,
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-)
+from tq_pipelines.partitions import FIRST_HOUR, hourly_partitions_def
 
 recover_stale_tasks_schedule = dg.ScheduleDefinition(
     name="recover_stale_tasks_schedule",
@@ -33,10 +23,15 @@ recover_stale_tasks_schedule = dg.ScheduleDefinition(
 )
 
 
-def _hour_run_request(at: datetime, *, once: bool) -> dg.RunRequest:
+def _hour_run_request(at: datetime, *, once: bool) -> dg.RunRequest | dg.SkipReason:
     """A run of task_completion_log for the UTC hour holding ``at``; with ``once``, one run per
     hour whatever the tick's retries. Its partition tags are set here, as Dagster's own
     partitioned schedules set them, so that evaluating the schedule needs no repository."""
+    if at < FIRST_HOUR:
+        # The hour before a new deployment's first: not a partition.
+        return dg.SkipReason(
+            f"{at:%Y-%m-%d %H}:00 UTC is before the first partition ({FIRST_HOUR:%Y-%m-%d %H}:00)"
+        )
     key = hourly_partitions_def.get_partition_key_for_timestamp(at.timestamp())
     return dg.RunRequest(
         run_key=key if once else None,
@@ -54,7 +49,7 @@ def _hour_run_request(at: datetime, *, once: bool) -> dg.RunRequest:
     execution_timezone="UTC",
     default_status=dg.DefaultScheduleStatus.RUNNING,
 )
-def task_completion_log_schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest:
+def task_completion_log_schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest | dg.SkipReason:
     return _hour_run_request(context.scheduled_execution_time - timedelta(hours=1), once=True)
 
 
@@ -67,7 +62,9 @@ def task_completion_log_schedule(context: dg.ScheduleEvaluationContext) -> dg.Ru
     execution_timezone="UTC",
     default_status=dg.DefaultScheduleStatus.RUNNING,
 )
-def task_completion_log_current_hour_schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest:
+def task_completion_log_current_hour_schedule(
+    context: dg.ScheduleEvaluationContext,
+) -> dg.RunRequest | dg.SkipReason:
     # No run key: every tick of the hour makes its run.
     return _hour_run_request(context.scheduled_execution_time, once=False)
 

@@ -1,67 +1,47 @@
-"""`dagster job backfill` from the command line, against a real instance: runs and events in
-PostgreSQL, runs launched by the default coordinator (no daemon), tasks in the test's database."""
+"""`dagster job backfill` of the daily resync from the command line, against a real instance: runs
+and events in PostgreSQL, runs launched by the default coordinator (no daemon), tasks in the
+test's database, partitions from the deployment's first day as the code location reads it."""
 
 import os
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
-from datetime import date
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import dagster as dg
 import psycopg
 import pytest
-from psycopg import sql
 
+from tests.acceptance.scratch_instance import scratch_dagster_home
 from tests.helpers import add_stores
-from tq_pipelines.db import ensure_database, sqlalchemy_url
 
 ROOT = Path(__file__).resolve().parents[2]
 DAGSTER = Path(sys.executable).parent / "dagster"
 JOB = "generate_resync_tasks_job"
-DAYS = [date(2026, 6, 1), date(2026, 6, 2), date(2026, 6, 3)]
+TODAY = datetime.now(UTC).date()
+# A deployment five days old; three of its past days backfilled.
+FIRST_DAY = TODAY - timedelta(days=5)
+DAYS = [TODAY - timedelta(days=n) for n in (4, 3, 2)]
 FINISHED = {dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
 
 
 @pytest.fixture
 def dagster_home(pg_server: str, tmp_path: Path) -> Iterator[Path]:
-    """A DAGSTER_HOME whose runs and events live in a scratch database on the test server, and
-    whose runs start at once as local processes (DefaultRunCoordinator: no daemon needed; the
-    CLI's code server launches them)."""
-    name = f"tq_dagster_{uuid.uuid4().hex[:12]}"
-    url = ensure_database(pg_server, name)
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text(
-        "storage:\n"
-        "  postgres:\n"
-        f"    postgres_url: '{sqlalchemy_url(url)}'\n"
-        "run_coordinator:\n"
-        "  module: dagster._core.run_coordinator\n"
-        "  class: DefaultRunCoordinator\n"
-        "run_launcher:\n"
-        "  module: dagster._core.launcher\n"
-        "  class: DefaultRunLauncher\n"
-        "telemetry:\n"
-        "  enabled: false\n"
-    )
-    yield home
-    with psycopg.connect(pg_server, autocommit=True) as admin:
-        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    with scratch_dagster_home(pg_server, tmp_path) as home:
+        yield home
 
 
-def backfill(home: Path, db_url: str) -> None:
+def backfill(home: Path, db_url: str, days: list = DAYS) -> subprocess.CompletedProcess:
     env = {**os.environ, "DAGSTER_HOME": str(home), "TQ_DATABASE_URL": db_url}
     env.pop("TQ_ROLE_CAPS", None)
+    env.pop("TQ_FIRST_DAY", None)
     args = [
         str(DAGSTER), "job", "backfill", "-w", "workspace.yaml", "-j", JOB,
-        "--from", DAYS[0].isoformat(), "--to", DAYS[-1].isoformat(), "--noprompt",
+        "--from", days[0].isoformat(), "--to", days[-1].isoformat(), "--noprompt",
     ]  # fmt: skip
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Launched backfill job" in proc.stdout, proc.stdout[-3000:]
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
 
 
 def wait_for_runs(instance: dg.DagsterInstance, count: int, timeout: float = 90) -> list[dg.DagsterRun]:
@@ -76,11 +56,12 @@ def wait_for_runs(instance: dg.DagsterInstance, count: int, timeout: float = 90)
         time.sleep(0.5)
 
 
-def created_by(instance: dg.DagsterInstance, run: dg.DagsterRun) -> int:
-    """The op's "created" output metadata, as stored in the instance's event log."""
-    [record] = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_OUTPUT)
+def materialised(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dict:
+    """The product_resync materialisation of the run, as stored in the instance's event log."""
+    [record] = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
     assert record.dagster_event is not None
-    return record.dagster_event.step_output_data.metadata["created"].value
+    event = record.dagster_event.step_materialization_data.materialization
+    return {"partition": event.partition, **{k: v.value for k, v in event.metadata.items()}}
 
 
 @pytest.mark.slow
@@ -89,8 +70,20 @@ def test_backfill_cli_creates_each_days_resync_once(
 ):
     stores = add_stores(conn, 6)
     add_stores(conn, 2, enabled=False)
+    # The deployment's first task, five days ago: where its partitions start.
+    conn.execute(
+        "INSERT INTO worker_tasks (role, status, created_at) VALUES ('analytics_refresh', 'completed', %s)",
+        (datetime(FIRST_DAY.year, FIRST_DAY.month, FIRST_DAY.day, 12, tzinfo=UTC),),
+    )
 
-    backfill(dagster_home, db_url)
+    # A day before the deployment's first is no partition: refused, nothing launched.
+    before = backfill(dagster_home, db_url, [FIRST_DAY - timedelta(days=1), FIRST_DAY])
+    assert before.returncode != 0
+    assert "Launched backfill job" not in before.stdout
+
+    proc = backfill(dagster_home, db_url)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Launched backfill job" in proc.stdout, proc.stdout[-3000:]
     with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
         first = wait_for_runs(instance, 3)
         assert len(first) == 3
@@ -98,20 +91,32 @@ def test_backfill_cli_creates_each_days_resync_once(
         first = sorted(first, key=lambda r: r.tags["dagster/partition"])
         assert [r.tags["dagster/partition"] for r in first] == [d.isoformat() for d in DAYS]
         assert len({r.tags["dagster/backfill"] for r in first}) == 1
-        assert [created_by(instance, r) for r in first] == [len(stores)] * 3
+        metadata = [materialised(instance, r) for r in first]
+        assert [(m["partition"], m["created"], m["pending"], m["backfill"]) for m in metadata] == [
+            (d.isoformat(), len(stores), len(stores), True) for d in DAYS
+        ]
+        # The runs are green; the days are not done: the check says so, in each run.
+        checks = [
+            e.dagster_event.asset_check_evaluation_data
+            for r in first
+            for e in instance.all_logs(r.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+            if e.dagster_event is not None
+        ]
+        assert [(c.check_name, c.passed) for c in checks] == [("backfill_finished", False)] * 3
 
         tasks = conn.execute(
             "SELECT resync_date, dispensary_id FROM worker_tasks WHERE role = 'product_resync' "
             "ORDER BY resync_date, dispensary_id"
         ).fetchall()
         assert tasks == [(d, s) for d in DAYS for s in stores]
-        assert conn.execute("SELECT count(*) FROM worker_tasks").fetchone()[0] == 3 * len(stores)
 
         # Again: three more successful runs, and not one more task.
-        backfill(dagster_home, db_url)
+        assert backfill(dagster_home, db_url).returncode == 0
         runs = wait_for_runs(instance, 6)
         second = [r for r in runs if r.run_id not in {f.run_id for f in first}]
         assert len(second) == 3
         assert {r.status for r in second} == {dg.DagsterRunStatus.SUCCESS}
-        assert [created_by(instance, r) for r in second] == [0, 0, 0]
-        assert conn.execute("SELECT count(*) FROM worker_tasks").fetchone()[0] == 3 * len(stores)
+        assert [materialised(instance, r)["created"] for r in second] == [0, 0, 0]
+        assert conn.execute("SELECT count(*) FROM worker_tasks WHERE role = 'product_resync'").fetchone() == (
+            3 * len(stores),
+        )

@@ -7,7 +7,7 @@ import dagster as dg
 import pytest
 
 from tq_pipelines.definitions import defs
-from tq_pipelines.schedules import generate_resync_tasks_schedule
+from tq_pipelines.resync import generate_resync_tasks_schedule
 
 JOBS = {
     "generate_resync_tasks_job",
@@ -32,6 +32,8 @@ SCHEDULES = {
 SENSORS = {
     "task_queue_sensor",
     "resync_catchup_sensor",
+    "resync_progress_sensor",
+    "table_rows_sensor",
     "queue_health_sensor",
     "run_failure_alert_sensor",
     "platform_status_sensor",

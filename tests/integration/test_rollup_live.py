@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import add_stores, add_tasks
 from tq_pipelines.assets import task_completion_log, task_completion_log_job
-from tq_pipelines.partitions import hourly_partitions_def
+from tq_pipelines.partitions import FIRST_HOUR, hourly_partitions_def
 from tq_pipelines.queue import TaskQueue
 from tq_pipelines.resources import CrawlResource, QueueResource
 from tq_pipelines.schedules import task_completion_log_current_hour_schedule, task_completion_log_schedule
@@ -85,6 +85,18 @@ def test_closed_hour_schedule_still_requests_the_hour_that_closed(
     assert repo.get_schedule_def("task_completion_log_schedule").cron_schedule == "5 * * * *"
 
 
+def test_the_hour_before_the_first_partition_is_skipped(repo: dg.RepositoryDefinition):
+    """A new deployment's first closed-hour tick names the hour before its first partition."""
+    at = FIRST_HOUR + timedelta(minutes=5)
+    with dg.build_schedule_context(scheduled_execution_time=at) as ctx:
+        data = repo.get_schedule_def("task_completion_log_schedule").evaluate_tick(ctx)
+    assert not data.run_requests
+    assert "before the first partition" in (data.skip_message or "")
+    assert requested(repo, "task_completion_log_schedule", at + timedelta(hours=1)) == [
+        FIRST_HOUR.strftime("%Y-%m-%d-%H:00")
+    ]
+
+
 # -- the partitions -------------------------------------------------------------------------------
 
 
@@ -97,7 +109,8 @@ def test_the_current_hour_is_the_last_partition():
     # the current hour.
     later = (now + timedelta(hours=1)).strftime("%Y-%m-%d-%H:00")
     assert later not in keys
-    assert keys[0] == "2026-01-01-00:00"
+    # The first is the deployment's first hour (tests/integration/test_partitions.py).
+    assert keys[0] == FIRST_HOUR.strftime("%Y-%m-%d-%H:00")
 
 
 # -- materialising the current hour as it fills ---------------------------------------------------

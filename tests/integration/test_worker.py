@@ -260,3 +260,47 @@ def test_worker_can_run_again(conn: psycopg.Connection, queue: TaskQueue):
     assert (second.claimed, second.completed) == (3, 3)
     assert status_counts(conn) == {"completed": 8}
     assert registry(conn, "again") == ("offline", 8, 0)
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_an_idle_worker_stays_picks_up_new_work_and_ends_after_its_idle_limit(
+    conn: psycopg.Connection, queue: TaskQueue, concurrency: int
+):
+    """A long-lived drain: with nothing to do it polls, takes work that arrives, and ends once it
+    has claimed nothing for idle_exit_seconds (not when the queue is first empty)."""
+    worker = Worker(
+        queue,
+        LOOSE,
+        lambda task, ctx: {"ok": True},
+        worker_id="long-lived",
+        concurrency=concurrency,
+        idle_poll_seconds=0.05,
+        idle_exit_seconds=2.0,
+        time_budget_seconds=60,
+    )
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        for _ in range(3):
+            time.sleep(0.5)  # empty meanwhile: the worker stays
+            assert thread.is_alive()
+            [task_id] = add_loose_tasks(conn, 1)
+            deadline = time.monotonic() + 10
+            while conn.execute("SELECT status FROM worker_tasks WHERE id = %s", (task_id,)).fetchone() != (
+                "completed",
+            ):
+                assert time.monotonic() < deadline, "the idle worker did not take the new task"
+                time.sleep(0.02)
+            assert conn.execute(
+                "SELECT worker_id FROM worker_tasks WHERE id = %s", (task_id,)
+            ).fetchone() == ("long-lived",)
+        last = time.monotonic()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        # It ended by its idle limit, not its time budget, and not at the first empty poll.
+        assert 2.0 <= time.monotonic() - last < 30
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
+    assert worker.stats.completed == 3
+    assert registry(conn, "long-lived")[0] == "offline"

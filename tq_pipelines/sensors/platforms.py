@@ -3,23 +3,39 @@ their live state (in flight, pause, errors) shown in the UI as observations of `
 
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
 
 from tq_pipelines.crawl.platforms import sync_limits
+from tq_pipelines.lineage import CRAWL_OWNERS, FLEET, PLATFORM_LIMITS, POSTGRES, table_reference
 from tq_pipelines.resources import CrawlResource, QueueResource
 
-PLATFORM_LIMITS = dg.AssetKey("platform_limits")
 
-platform_limits_asset = dg.AssetSpec(
-    PLATFORM_LIMITS,
-    description=(
-        "Each platform's politeness limits as every claimer enforces them (tq_platforms), and their "
-        "state: tasks in flight, pause and errors. Observed by platform_status_sensor."
-    ),
-    kinds={"postgres"},
+# An observable asset, not a bare spec: the UI shows its latest observation and offers "Observe"
+# (a run doing what the sensor does) rather than a materialisation it could never have.
+@dg.multi_observable_source_asset(
+    name="observe_platform_limits",
+    specs=[
+        dg.AssetSpec(
+            PLATFORM_LIMITS,
+            description=(
+                "Each platform's politeness limits as every claimer enforces them (tq_platforms), and "
+                "their state: tasks in flight, pause and errors. Observed by platform_status_sensor "
+                "every 30 s when anything changes, else every 5 minutes."
+            ),
+            group_name=FLEET,
+            owners=CRAWL_OWNERS,
+            kinds=POSTGRES,
+            metadata=table_reference("tq_platforms"),
+        )
+    ],
 )
+def platform_limits_asset(tq: QueueResource) -> Iterator[dg.ObserveResult]:
+    rows = tq.queue.platform_status()
+    yield dg.ObserveResult(asset_key=PLATFORM_LIMITS, metadata=observation(rows).metadata)
+
 
 # An observation at least this often, and at every change of a platform's state or limits.
 OBSERVE_EVERY_SECONDS = 300
@@ -38,7 +54,7 @@ def describe(row: dict[str, Any]) -> str:
 
 
 def observation(rows: list[dict[str, Any]]) -> dg.AssetObservation:
-    metadata: dict[str, Any] = {}
+    metadata: dict[str, Any] = {"dagster/row_count": dg.MetadataValue.int(len(rows))}
     for r in rows:
         p = r["platform"]
         metadata[f"{p} state"] = r["state"]

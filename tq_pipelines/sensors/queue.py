@@ -11,13 +11,10 @@ from typing import Any
 import dagster as dg
 
 from tq_pipelines.handlers import load_handlers
-from tq_pipelines.jobs import DrainConfig, drain_tasks_job, drain_worker_id, generate_resync_tasks_job
+from tq_pipelines.jobs import DrainConfig, drain_tasks_job, drain_worker_id
 from tq_pipelines.resources import QueueResource
-from tq_pipelines.schedules import RESYNC_HOUR_UTC, RESYNC_MINUTE
 
 FAILED = (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
-# Runs of one day's resync before the catch-up gives up until the next day (each failure alerts).
-CATCHUP_ATTEMPTS = 3
 
 QUEUED = [dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED]
 RUNNING = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
@@ -81,7 +78,9 @@ def _cursor(context: dg.SensorEvaluationContext) -> tuple[str, int, set[str]]:
         return uuid.uuid4().hex[:8], 1, set()
 
 
-@dg.sensor(job=drain_tasks_job, minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING)
+# Every 5 s: a dead run's tasks come back, and an idle role's first run is asked for, within a
+# few seconds (a skipped tick costs a few queries; skipped ticks are kept 3 days).
+@dg.sensor(job=drain_tasks_job, minimum_interval_seconds=5, default_status=dg.DefaultSensorStatus.RUNNING)
 def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) -> dg.SensorResult:
     """Drain runs for roles with ready work: as many as the backlog asks for (one per
     ``tasks_per_run`` ready tasks, no more than its idle stores can feed) less the role's runs
@@ -188,25 +187,3 @@ MAX_RUNTIME_MARGIN_SECONDS = 300
 
 def drain_run_tags(config: DrainConfig) -> dict[str, str]:
     return {"dagster/max_runtime": str(int(config.time_budget_seconds + MAX_RUNTIME_MARGIN_SECONDS))}
-
-
-@dg.sensor(
-    job=generate_resync_tasks_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING
-)
-def resync_catchup_sensor(context: dg.SensorEvaluationContext) -> dg.RunRequest | dg.SkipReason:
-    """Today's resync when its scheduled tick was missed (the daemon was down at the time, or the
-    instance is new) or its run failed: until one succeeds or is under way, at most
-    CATCHUP_ATTEMPTS runs a day."""
-    now = datetime.now(UTC)
-    day = now.date().isoformat()
-    if (now.hour, now.minute) < (RESYNC_HOUR_UTC, RESYNC_MINUTE):
-        return dg.SkipReason(f"the schedule runs {day} at {RESYNC_HOUR_UTC:02}:{RESYNC_MINUTE:02} UTC")
-    runs = context.instance.get_runs(
-        dg.RunsFilter(job_name=generate_resync_tasks_job.name, tags={"dagster/partition": day})
-    )
-    if any(r.status not in FAILED for r in runs):
-        return dg.SkipReason(f"{day} already has a resync run")
-    if len(runs) >= CATCHUP_ATTEMPTS:
-        return dg.SkipReason(f"{day}: {len(runs)} resync runs failed; not trying again today")
-    # A failed run is tried again, under a new key (run keys are remembered for good).
-    return dg.RunRequest(run_key=f"catchup:{day}:{len(runs)}", partition_key=day)
