@@ -84,7 +84,8 @@ def test_a_role_added_with_an_insert_and_a_handler_is_drained_through_the_sensor
     monkeypatch.setenv("TQ_HANDLERS", ECHO_HANDLER)
 
     # A cap for the new role is accepted: the caps are checked against the database's roles.
-    tick = evaluate_queue_sensor(instance, db_url, role_caps=f"{NEW_ROLE}=1")
+    # (its run ends once the queue is empty, not after the sensor's usual idle wait)
+    tick = evaluate_queue_sensor(instance, db_url, role_caps=f"{NEW_ROLE}=1", drain_idle_exit_seconds=0)
     [request] = tick.run_requests
     assert request.tags["tq/role"] == NEW_ROLE
     assert request.run_config["ops"]["drain_role_tasks"]["config"]["role"] == NEW_ROLE
