@@ -140,19 +140,19 @@ def stop_dagster(proc: subprocess.Popen[bytes]) -> None:
 
 
 def wait_until_live(home: Path, dagster_url: str, timeout: float = 180) -> None:
-    """Until task_queue_sensor has ticked and resync_catchup_sensor's run for today (on a queue
-    with no stores yet, so it creates nothing) has finished: the system is live and idle."""
+    """Until task_queue_sensor has ticked and no resync run is under way (on a queue with no
+    stores the catch-up waits for stores and starts none): the system is live and idle."""
     deadline = time.monotonic() + timeout
     log = home / "dagster-dev.log"
     while time.monotonic() < deadline:
         if log.exists() and "Sensor task_queue_sensor skipped" in log.read_text(errors="replace"):
             try:
                 with psycopg.connect(dagster_url) as conn:
-                    done = conn.execute(
+                    busy = conn.execute(
                         "SELECT count(*) FROM runs WHERE pipeline_name = 'generate_resync_tasks_job'"
-                        " AND status = 'SUCCESS'"
+                        " AND status IN ('NOT_STARTED', 'QUEUED', 'STARTING', 'STARTED')"
                     ).fetchone()
-                if done and done[0]:
+                if busy == (0,):
                     return
             except psycopg.errors.UndefinedTable:
                 pass
