@@ -23,8 +23,6 @@ IN_FLIGHT = QUEUED + RUNNING
 # Drain runs that ended this recently are looked at again each tick: whatever their worker held
 # goes back as soon as its session is gone (a run Dagster marked failed may still be exiting).
 ENDED_LOOKBACK_SECONDS = 600
-# A drain run queued this long is reported in the tick (queue_health_sensor alerts on it).
-QUEUED_TOO_LONG_SECONDS = 120
 
 
 def _role_of(run: dg.DagsterRun) -> str | None:
@@ -60,6 +58,7 @@ def release_dead_drain_runs(
         if run.status in RUNNING
         and (s := sessions.get(worker_id)) is not None
         and s["session_alive"] is False
+        and s["status"] != "offline"  # not one that deregistered and is ending
     }
     report = tq.queue.release_dead_workers(list(workers))
     given = {"workers": report.workers_offline, "recovered": report.recovered, "failed": report.failed}
@@ -129,16 +128,9 @@ def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) ->
             continue
         line = f"{role}: {ready} ready, {claimable} claimable, {len(alive) - len(queued)} runs live"
         if queued:
+            # What holds them is the run queue's limits; queue_health_sensor alerts when it lasts.
             waited = now - min(r.create_timestamp.timestamp() for r in queued)
             line += f", {len(queued)} queued (longest {waited:.0f} s)"
-            if waited > QUEUED_TOO_LONG_SECONDS:
-                context.log.warning(
-                    "role %s: %s drain runs queued, the longest for %.0f s: the run queue's limits "
-                    "(dagster.yaml: max_concurrent_runs, the tq/kind=drain limit) hold them",
-                    role,
-                    len(queued),
-                    waited,
-                )
         if ready and role not in handlers:
             status.append(f"{role}: {ready} ready and no handler, not drained")
             context.log.warning("role %s has %s ready tasks and no handler: no drain run", role, ready)
