@@ -1,6 +1,7 @@
 -- Roles and privileges (tq_pipelines/db/grant.py, `tq grant`). What each role may do in the
--- database is migration 0010's (tq_grant_admin, tq_grant_worker, tq_secure_functions); these
--- statements create the roles, which are cluster-wide, and call those procedures.
+-- database is migration 0010's (tq_grant_admin, tq_grant_worker, tq_secure_functions) and 0012's
+-- (tq_worker_write_routes); these statements create the roles, which are cluster-wide, set the
+-- worker's timeouts, and call those procedures.
 -- {role} is a psycopg.sql.Identifier and {password} a psycopg.sql.Literal holding a SCRAM
 -- verifier made by libpq: role statements take no bound parameters, and the password itself
 -- never reaches the server (nor its log).
@@ -59,3 +60,39 @@ JOIN pg_proc p ON p.oid = q.signature
 JOIN pg_roles r ON r.oid = p.proowner
 WHERE p.prosecdef
 ORDER BY 1;
+
+-- name: worker_routes
+-- Every way the role could change the queue other than through its functions (0012); none for
+-- a worker as tq grant leaves it.
+SELECT route FROM tq_worker_write_routes(%(role)s);
+
+-- name: routes_migrated
+-- 0012 applied: tq_worker_write_routes exists.
+SELECT to_regprocedure('tq_worker_write_routes(name)') IS NOT NULL AS migrated;
+
+-- name: current_database
+SELECT current_database() AS name, current_user AS user_name;
+
+-- name: worker_settings
+-- The role's own defaults (ALTER ROLE ... SET) that apply in this database: this database's
+-- (in_database) and every database's. Readable by every role, as PostgreSQL keeps them.
+SELECT
+  s.setdatabase <> 0 AS in_database,
+  split_part(c.setting, '=', 1) AS name,
+  substr(c.setting, strpos(c.setting, '=') + 1) AS value
+FROM pg_db_role_setting s
+CROSS JOIN LATERAL unnest(s.setconfig) AS c (setting)
+WHERE s.setrole = (SELECT r.oid FROM pg_roles r WHERE r.rolname = %(role)s)
+  AND s.setdatabase IN (0, (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()))
+ORDER BY 1 DESC, 2;
+
+-- name: set_worker_setting
+-- {name} is a psycopg.sql.Identifier, {value} a psycopg.sql.Literal: ALTER ROLE takes no bound
+-- parameters. In the queue's database only: the role may also reach Dagster's storage.
+ALTER ROLE {role} IN DATABASE {database} SET {name} = {value};
+
+-- name: reset_worker_setting_in_database
+ALTER ROLE {role} IN DATABASE {database} RESET {name};
+
+-- name: reset_worker_setting
+ALTER ROLE {role} RESET {name};

@@ -118,11 +118,34 @@ WHERE id IN (
       < now() - make_interval(mins => %(threshold_minutes)s);
 
 -- name: migrations_lock
--- One migrator at a time; a second waits here, then finds the work done.
+-- One migrator at a time; a second waits here (a bounded wait: lock_timeout_set), then finds the
+-- work done.
 SELECT pg_advisory_lock(%(key)s);
 
 -- name: migrations_unlock
 SELECT pg_advisory_unlock(%(key)s);
+
+-- name: lock_timeout_get
+SELECT current_setting('lock_timeout') AS value;
+
+-- name: lock_timeout_set
+-- For this session: the migrator's bounded wait for its lock, then the setting as it was.
+SELECT set_config('lock_timeout', %(value)s, false);
+
+-- name: migrations_lock_holders
+-- Who holds the migrators' lock: a one-key advisory lock shows in pg_locks as classid = the
+-- key's high 32 bits, objid = its low 32 bits, objsubid = 1. pg_stat_activity shows another
+-- role's session's times and state only to a superuser or pg_read_all_stats (NULL otherwise).
+SELECT l.pid, a.usename::TEXT, a.application_name, a.backend_start, a.state, a.state_change
+FROM pg_locks l
+LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory'
+  AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+  AND l.classid = (%(key)s::BIGINT >> 32)::OID
+  AND l.objid = (%(key)s::BIGINT & 4294967295)::OID
+  AND l.objsubid = 1
+  AND l.granted
+ORDER BY l.pid;
 
 -- name: migrations_table
 CREATE TABLE IF NOT EXISTS tq_migrations (

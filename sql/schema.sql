@@ -1963,6 +1963,7 @@ CREATE FUNCTION public.sync_platform_limits(p_limits jsonb) RETURNS integer
     AS $$
 DECLARE
   v_changed INTEGER;
+  v_total BIGINT;
   v_bad TEXT;
   v_field RECORD;
   v_hint TEXT := 'Each platform: {"platform": a name of 1 to 50 characters, "max_in_flight": 1 to 10000, '
@@ -1970,6 +1971,12 @@ DECLARE
     '"pause_after_errors": 1 to 1000 (default 5), "pause_seconds": 0.1 to 86400 (default 5), '
     '"max_pause_seconds": pause_seconds to 86400 (default 600)}; counts are whole numbers.';
 BEGIN
+  -- The count first: a list of 20,000 is refused before it is read element by element.
+  IF jsonb_typeof(p_limits) = 'array' AND jsonb_array_length(p_limits) > 1000 THEN
+    PERFORM tq_refuse('sync_platform_limits', 'limits', format('%s platforms', jsonb_array_length(p_limits)),
+      'must list at most 1000 platforms',
+      'A platforms file names the platforms a fleet crawls: a few, never more than 1000.');
+  END IF;
   IF p_limits IS NULL OR jsonb_typeof(p_limits) <> 'array'
      OR EXISTS (SELECT 1 FROM jsonb_array_elements(p_limits) AS x (e) WHERE jsonb_typeof(x.e) <> 'object') THEN
     PERFORM tq_refuse('sync_platform_limits', 'limits', tq_shown(p_limits::TEXT),
@@ -2027,6 +2034,22 @@ BEGIN
       format('max_pause_seconds of platform %s', quote_literal(v_field.platform)),
       coalesce(v_field.max_pause::TEXT, '600 (the default)'),
       format('must not be below its pause_seconds (%s)', coalesce(v_field.pause::TEXT, '5, the default')), v_hint);
+  END IF;
+
+  -- Nor may syncs add up to more: one sync at a time counts the platforms it would add.
+  PERFORM pg_advisory_xact_lock(hashtext('tq:sync_platform_limits'));
+  SELECT count(*) INTO v_total
+  FROM (
+    SELECT l.platform FROM tq_platforms l
+    UNION
+    SELECT x.platform FROM jsonb_to_recordset(p_limits) AS x (platform TEXT)
+  ) k;
+  IF v_total > 1000 THEN
+    PERFORM tq_refuse('sync_platform_limits', 'limits', format('%s platforms in all', v_total),
+      'must leave at most 1000 platforms with limits, counting those loaded before',
+      format('%s platforms have limits already; delete those no file names any more '
+             '(DELETE FROM tq_platforms WHERE platform = ...), as the admin.',
+             (SELECT count(*) FROM tq_platforms)));
   END IF;
 
   INSERT INTO tq_platforms AS l (
@@ -2140,15 +2163,33 @@ $$;
 CREATE FUNCTION public.tq_check_task(p_function text, p_role character varying, p_dispensary_id integer, p_platform character varying, p_priority integer, p_scheduled_for timestamp with time zone, p_max_retries integer, p_payload jsonb) RETURNS void
     LANGUAGE plpgsql STABLE
     AS $$
+DECLARE
+  v_store_platform VARCHAR;
 BEGIN
   PERFORM tq_require_role(p_role);
-  IF p_dispensary_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM dispensaries d WHERE d.id = p_dispensary_id) THEN
-    PERFORM tq_refuse(p_function, 'dispensary_id', p_dispensary_id::TEXT, 'must be the id of a store in dispensaries',
-      'Give a dispensaries.id, or NULL for a task of no store (a platform''s listing, the analytics).');
+  IF p_dispensary_id IS NOT NULL THEN
+    SELECT d.menu_type INTO v_store_platform FROM dispensaries d WHERE d.id = p_dispensary_id;
+    IF NOT FOUND THEN
+      PERFORM tq_refuse(p_function, 'dispensary_id', p_dispensary_id::TEXT, 'must be the id of a store in dispensaries',
+        'Give a dispensaries.id, or NULL for a task of no store (a platform''s listing, the analytics).');
+    END IF;
   END IF;
   IF p_platform IS NOT NULL AND (btrim(p_platform) = '' OR length(p_platform) > 50) THEN
     PERFORM tq_refuse(p_function, 'platform', tq_shown(p_platform), 'must be NULL or a name of 1 to 50 characters',
       'The platform whose limits the task''s requests keep (dispensaries.menu_type); NULL for none.');
+  END IF;
+  -- The limits a task keeps are its platform's; its requests go to its store's platform.
+  IF p_dispensary_id IS NOT NULL AND p_platform IS NOT NULL AND p_platform IS DISTINCT FROM v_store_platform THEN
+    PERFORM tq_refuse(p_function, 'platform', tq_shown(p_platform),
+      format('must be that of store %s, %s (dispensaries.menu_type)', p_dispensary_id, tq_shown(v_store_platform)),
+      'Leave it out (NULL): a store''s task takes its store''s platform, whose limits its requests keep.');
+  END IF;
+  IF p_dispensary_id IS NULL AND p_platform IS NOT NULL AND jsonb_typeof(p_payload -> 'platform') = 'string'
+     AND p_platform IS DISTINCT FROM p_payload ->> 'platform' THEN
+    PERFORM tq_refuse(p_function, 'platform', tq_shown(p_platform),
+      format('must be the one the payload names, %s', tq_shown(p_payload ->> 'platform')),
+      'A task of no store keeps the limits of the platform it names: name it once (platform, or the '
+      'payload''s "platform"), or the same in both.');
   END IF;
   IF p_priority IS NULL OR p_priority NOT BETWEEN -1000 AND 1000 THEN
     PERFORM tq_refuse(p_function, 'priority', p_priority::TEXT, 'must be between -1000 and 1000',
@@ -2165,6 +2206,12 @@ BEGIN
   IF p_max_retries IS NOT NULL AND p_max_retries NOT BETWEEN 0 AND 100 THEN
     PERFORM tq_refuse(p_function, 'max_retries', p_max_retries::TEXT, 'must be between 0 and 100',
       'How many times a failed task is tried again: 0 (never) to 100; the default is 3.');
+  END IF;
+  -- Measured before the shape: a 20 MB value is not shown, only its size.
+  IF pg_column_size(p_payload) > 1048576 THEN
+    PERFORM tq_refuse(p_function, 'payload', format('%s bytes', pg_column_size(p_payload)),
+      'must be at most 1 MB (1048576 bytes)',
+      'A payload holds a role''s parameters: keep large data in a table of its own and put its key here.');
   END IF;
   IF p_payload IS NULL OR jsonb_typeof(p_payload) <> 'object' THEN
     PERFORM tq_refuse(p_function, 'payload', tq_shown(p_payload::TEXT), 'must be a JSON object',
@@ -2252,6 +2299,8 @@ DECLARE
     'v_task_history'        -- the tasks with their stores, for whoever looks
   ];
   v_owner TEXT;
+  v_routes BIGINT;
+  v_route TEXT;
   r RECORD;
 BEGIN
   IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = p_role) THEN
@@ -2293,6 +2342,21 @@ BEGIN
       USING ERRCODE = 'invalid_parameter_value',
             HINT = 'Give the worker a role of its own, member of no role that owns the queue or its schema.';
   END IF;
+  -- A SECURITY DEFINER function runs with its owner's rights: owned by a superuser, any flaw in
+  -- one (or a helper it calls) would hand the worker the whole cluster.
+  SELECT string_agg(DISTINCT o.rolname::TEXT, ', ') INTO v_owner
+  FROM tq_queue_functions() q
+  JOIN pg_proc p ON p.oid = q.signature
+  JOIN pg_roles o ON o.oid = p.proowner
+  WHERE p.prosecdef
+    AND o.rolsuper;
+  IF v_owner IS NOT NULL THEN
+    RAISE EXCEPTION 'tq_grant_worker: the queue''s functions run as %, a superuser: the worker would call them '
+      'with a superuser''s rights', v_owner
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give them an owner of their own, without SUPERUSER: tq grant --admin-role tq_admin '
+                   '(run once as a superuser) makes it and hands them over.';
+  END IF;
 
   FOR r IN
     SELECT format('REVOKE ALL ON %s %s FROM %I',
@@ -2329,6 +2393,18 @@ BEGIN
     EXECUTE format('GRANT EXECUTE ON %s %s TO %I',
       CASE r.prokind WHEN 'p' THEN 'PROCEDURE' ELSE 'FUNCTION' END, r.signature, p_role);
   END LOOP;
+  -- What the role holds now is what it was given, unless it can reach more by another route (a
+  -- predefined role, another role's grants, PUBLIC's): that, tq grant cannot take back without
+  -- changing roles that may serve others. Refused, and the transaction with it.
+  SELECT count(*), string_agg(w.route, '; ') INTO v_routes, v_route
+  FROM tq_worker_write_routes(p_role) w;
+  IF v_routes > 0 THEN
+    RAISE EXCEPTION 'tq_grant_worker: worker role % can change the queue outside its functions (% route%): %',
+      quote_ident(p_role), v_routes, CASE WHEN v_routes > 1 THEN 's' ELSE '' END, v_route
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Take each away (REVOKE <role> FROM <worker>; REVOKE ... FROM PUBLIC; ALTER ROLE ... NOCREATEROLE), '
+                   'or give the worker a role of its own, member of no other role.';
+  END IF;
 END;
 $$;
 
@@ -2835,8 +2911,8 @@ CREATE TABLE public.worker_registry (
     hostname character varying(100),
     started_at timestamp with time zone DEFAULT now(),
     last_heartbeat_at timestamp with time zone DEFAULT now(),
-    tasks_completed integer DEFAULT 0,
-    tasks_failed integer DEFAULT 0,
+    tasks_completed bigint DEFAULT 0,
+    tasks_failed bigint DEFAULT 0,
     status character varying(20) DEFAULT 'active'::character varying,
     heartbeat_seconds double precision,
     session_bound boolean DEFAULT false NOT NULL,
@@ -2894,6 +2970,105 @@ CREATE FUNCTION public.tq_shown(p_value text) RETURNS text
     WHEN length(p_value) > 40 THEN quote_literal(left(p_value, 40)) || format('... (%s characters)', length(p_value))
     ELSE quote_literal(p_value)
   END;
+$$;
+
+
+--
+-- Name: tq_store_platform_changed(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_store_platform_changed() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_active INTEGER;
+BEGIN
+  -- The store's queue row, as a claim locks it: a claim in progress commits first (and this
+  -- sees its task), a later one skips the store until this commits.
+  SELECT s.active_task_id INTO v_active
+  FROM worker_task_stores s
+  WHERE s.dispensary_id = NEW.id
+  FOR UPDATE;
+  IF v_active IS NOT NULL THEN
+    RAISE EXCEPTION 'dispensaries: the platform (menu_type) of store % cannot change from % to % while its task % is claimed or running',
+      NEW.id, tq_shown(OLD.menu_type), tq_shown(NEW.menu_type), v_active
+      USING ERRCODE = 'object_in_use',
+            HINT = format('That task''s requests keep the limits of %s. Change it once the task is done (or '
+                          'cancelled: SELECT cancel_task(%s)); the store''s pending tasks follow it.',
+                          tq_shown(OLD.menu_type), v_active);
+  END IF;
+  UPDATE worker_tasks t
+  SET platform = NEW.menu_type
+  WHERE t.dispensary_id = NEW.id
+    AND t.status = 'pending'
+    AND t.platform IS DISTINCT FROM NEW.menu_type;
+  RETURN NULL;
+END;
+$$;
+
+
+--
+-- Name: tq_task_platform(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_task_platform() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_platform VARCHAR;
+  v_rule TEXT;
+BEGIN
+  IF NEW.dispensary_id IS NOT NULL THEN
+    SELECT d.menu_type INTO v_platform FROM dispensaries d WHERE d.id = NEW.dispensary_id FOR SHARE;
+    IF NOT FOUND THEN
+      RETURN NEW;  -- the foreign key refuses it
+    END IF;
+    v_rule := format('must be that of store %s, %s (dispensaries.menu_type)', NEW.dispensary_id, tq_shown(v_platform));
+  ELSIF jsonb_typeof(NEW.payload -> 'platform') = 'string' AND length(NEW.payload ->> 'platform') BETWEEN 1 AND 50 THEN
+    v_platform := NEW.payload ->> 'platform';
+    v_rule := format('must be the one its payload names, %s', tq_shown(v_platform));
+  ELSE
+    RETURN NEW;
+  END IF;
+  IF NEW.platform IS NULL OR (TG_OP = 'UPDATE' AND NEW.platform IS NOT DISTINCT FROM OLD.platform) THEN
+    NEW.platform := v_platform;
+  ELSIF NEW.platform IS DISTINCT FROM v_platform THEN
+    PERFORM tq_refuse(format('worker_tasks (task %s)', coalesce(NEW.id::TEXT, 'new')), 'platform',
+      tq_shown(NEW.platform), v_rule,
+      'A task keeps the limits of its platform while its requests go to its store''s: leave the platform '
+      'NULL and the store''s is taken.');
+  END IF;
+  RETURN NEW;
+END;
+$$;
+
+
+--
+-- Name: tq_task_sizes(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_task_sizes() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  IF pg_column_size(NEW.payload) > 1048576 THEN
+    PERFORM tq_refuse(format('worker_tasks (task %s)', NEW.id), 'payload',
+      format('%s bytes', pg_column_size(NEW.payload)), 'must be at most 1 MB (1048576 bytes)',
+      'A payload holds a role''s parameters: keep large data in a table of its own and put its key here.');
+  END IF;
+  IF pg_column_size(NEW.result) > 1048576 THEN
+    PERFORM tq_refuse(format('worker_tasks (task %s)', NEW.id), 'result',
+      format('%s bytes', pg_column_size(NEW.result)), 'must be at most 1 MB (1048576 bytes)',
+      'A task''s result is its summary (counts, a hash): what it fetched belongs in tables of its own.');
+  END IF;
+  IF length(NEW.error_message) > 8192 THEN
+    -- As tq_pipelines.queue.storable_text cuts it: the first characters and how many went.
+    NEW.error_message := left(NEW.error_message,
+        8192 - length(format(' [... cut: %s more characters]', to_char(length(NEW.error_message) - 8192, 'FM999,999,999,999'))))
+      || format(' [... cut: %s more characters]', to_char(length(NEW.error_message) - 8192, 'FM999,999,999,999'));
+  END IF;
+  RETURN NEW;
+END;
 $$;
 
 
@@ -3154,6 +3329,83 @@ $$;
 
 
 --
+-- Name: tq_worker_write_routes(name); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_worker_write_routes(p_role name) RETURNS TABLE(route text)
+    LANGUAGE sql STABLE
+    AS $$
+  WITH who AS (
+    SELECT
+      r.oid,
+      r.rolname,
+      r.rolsuper,
+      r.rolcreaterole,
+      r.rolbypassrls,
+      r.rolreplication,
+      CASE WHEN r.rolname = p_role THEN quote_ident(p_role)
+           ELSE format('%s, through %s', quote_ident(p_role), quote_ident(r.rolname)) END AS label
+    FROM pg_roles r
+    WHERE pg_has_role(p_role, r.oid, 'MEMBER')
+  ),
+  relation_rights AS (
+    SELECT w.label, q.relation, string_agg(k.privilege, ', ' ORDER BY k.n) AS privileges
+    FROM who w
+    CROSS JOIN tq_queue_relations() q
+    CROSS JOIN (VALUES
+      (1, 'INSERT', true), (2, 'UPDATE', true), (3, 'DELETE', false), (4, 'TRUNCATE', false),
+      (5, 'REFERENCES', true), (6, 'TRIGGER', false)) AS k (n, privilege, by_column)
+    WHERE q.relkind <> 'S'
+      AND CASE WHEN k.by_column THEN has_any_column_privilege(w.oid, q.relation, k.privilege)
+               ELSE has_table_privilege(w.oid, q.relation, k.privilege) END
+    GROUP BY w.label, q.relation
+  )
+  SELECT format('%s has %s', w.label, a.attribute)
+  FROM who w
+  CROSS JOIN LATERAL (VALUES
+    (1, w.rolsuper, 'SUPERUSER: it may do anything'),
+    (2, w.rolcreaterole, 'CREATEROLE: it may make itself a member of pg_write_all_data'),
+    (3, w.rolbypassrls, 'BYPASSRLS'),
+    (4, w.rolreplication, 'REPLICATION: it may stream the database''s every row')) AS a (n, held, attribute)
+  WHERE a.held
+  UNION ALL
+  SELECT format('%s is a member of %s', quote_ident(p_role), p.why)
+  FROM who w
+  JOIN (VALUES
+    ('pg_write_all_data', 'pg_write_all_data: it may write every table'),
+    ('pg_execute_server_program', 'pg_execute_server_program: it may run programs as the server (COPY ... PROGRAM)'),
+    ('pg_write_server_files', 'pg_write_server_files: it may write the server''s files'),
+    ('pg_read_server_files', 'pg_read_server_files: it may read the server''s files, its data directory''s among them'),
+    ('pg_signal_backend', 'pg_signal_backend: it may end other workers'' sessions (and so take their tasks) and the admin''s')
+  ) AS p (rolname, why) ON p.rolname = w.rolname
+  UNION ALL
+  -- One line per role: the rights and the relations they cover, the first few named.
+  SELECT format('%s may %s %s of the queue''s tables directly (%s)',
+           x.label, x.privileges, count(*),
+           string_agg(x.relation::TEXT, ', ' ORDER BY x.relation::TEXT) FILTER (WHERE x.n <= 4)
+             || CASE WHEN count(*) > 4 THEN ', ...' ELSE '' END)
+  FROM (
+    SELECT r.*, row_number() OVER (PARTITION BY r.label, r.privileges ORDER BY r.relation::TEXT) AS n
+    FROM relation_rights r
+  ) x
+  GROUP BY x.label, x.privileges
+  UNION ALL
+  SELECT format('%s may set %s of the queue''s sequences (setval: %s)', w.label, count(*),
+           string_agg(q.relation::TEXT, ', ' ORDER BY q.relation::TEXT))
+  FROM who w
+  CROSS JOIN tq_queue_relations() q
+  WHERE q.relkind = 'S'
+    AND has_sequence_privilege(w.oid, q.relation, 'UPDATE')
+  GROUP BY w.label
+  UNION ALL
+  SELECT format('%s may CREATE in schema %s, where a function of its own could stand in for a helper '
+                'the queue''s functions call', w.label, quote_ident(current_schema()))
+  FROM who w
+  WHERE has_schema_privilege(w.oid, current_schema(), 'CREATE')
+$$;
+
+
+--
 -- Name: update_worker_tasks_timestamp(); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -3218,7 +3470,7 @@ BEGIN
       END IF;
       -- Still unresolved (gone before it was, or its entry point failed): try again.
       INSERT INTO worker_tasks (role, dispensary_id, platform)
-      SELECT 'entry_point_discovery', d.id, p_platform
+      SELECT 'entry_point_discovery', d.id, d.menu_type
       FROM dispensaries d
       WHERE d.id = v_id
         AND d.crawl_enabled
@@ -3250,12 +3502,19 @@ $$;
 --
 
 CREATE FUNCTION public.worker_completed(p_worker_id character varying, p_count integer) RETURNS void
-    LANGUAGE sql SECURITY DEFINER
+    LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
+BEGIN
+  IF p_count IS NULL OR p_count NOT BETWEEN 0 AND 100000 THEN
+    PERFORM tq_refuse('worker_completed', 'count', p_count::TEXT, 'must be between 0 and 100000',
+      'The tasks a worker completed in its handlers'' own transactions since it last said so: one batch''s '
+      'worth (a claim takes at most 1000).');
+  END IF;
   UPDATE worker_registry
-  SET tasks_completed = tasks_completed + greatest(p_count, 0), last_heartbeat_at = now()
+  SET tasks_completed = tasks_completed + p_count, last_heartbeat_at = now()
   WHERE worker_id = p_worker_id;
+END;
 $$;
 
 
@@ -4239,6 +4498,13 @@ CREATE UNIQUE INDEX idx_worker_tasks_unique_active_store ON public.worker_tasks 
 
 
 --
+-- Name: dispensaries dispensaries_platform_changed; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER dispensaries_platform_changed AFTER UPDATE OF menu_type ON public.dispensaries FOR EACH ROW WHEN (((new.menu_type)::text IS DISTINCT FROM (old.menu_type)::text)) EXECUTE FUNCTION public.tq_store_platform_changed();
+
+
+--
 -- Name: worker_tasks worker_tasks_deleted; Type: TRIGGER; Schema: public; Owner: -
 --
 
@@ -4250,6 +4516,27 @@ CREATE TRIGGER worker_tasks_deleted AFTER DELETE ON public.worker_tasks REFERENC
 --
 
 CREATE TRIGGER worker_tasks_inserted AFTER INSERT ON public.worker_tasks REFERENCING NEW TABLE AS new_tasks FOR EACH STATEMENT EXECUTE FUNCTION public.tq_tasks_inserted();
+
+
+--
+-- Name: worker_tasks worker_tasks_platform_inserted; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER worker_tasks_platform_inserted BEFORE INSERT ON public.worker_tasks FOR EACH ROW WHEN ((((new.status)::text = ANY ((ARRAY['pending'::character varying, 'claimed'::character varying, 'running'::character varying])::text[])) AND ((new.dispensary_id IS NOT NULL) OR (new.payload ? 'platform'::text)))) EXECUTE FUNCTION public.tq_task_platform();
+
+
+--
+-- Name: worker_tasks worker_tasks_platform_updated; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER worker_tasks_platform_updated BEFORE UPDATE OF dispensary_id, platform, payload, status ON public.worker_tasks FOR EACH ROW WHEN ((((new.status)::text = ANY ((ARRAY['pending'::character varying, 'claimed'::character varying, 'running'::character varying])::text[])) AND ((new.dispensary_id IS DISTINCT FROM old.dispensary_id) OR ((new.platform)::text IS DISTINCT FROM (old.platform)::text) OR (new.payload IS DISTINCT FROM old.payload) OR ((old.status)::text <> ALL ((ARRAY['pending'::character varying, 'claimed'::character varying, 'running'::character varying])::text[]))))) EXECUTE FUNCTION public.tq_task_platform();
+
+
+--
+-- Name: worker_tasks worker_tasks_sizes; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER worker_tasks_sizes BEFORE INSERT OR UPDATE OF payload, result, error_message ON public.worker_tasks FOR EACH ROW WHEN (((pg_column_size(new.payload) > 1048576) OR (pg_column_size(new.result) > 1048576) OR (pg_column_size(new.error_message) > 8192))) EXECUTE FUNCTION public.tq_task_sizes();
 
 
 --

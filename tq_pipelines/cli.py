@@ -33,8 +33,8 @@ from tq_pipelines.db import (
     embedded,
     sqlalchemy_url,
 )
-from tq_pipelines.db.grant import GrantError, grant
-from tq_pipelines.db.migrate import MigrationError, migrate
+from tq_pipelines.db.grant import DEFAULT_WORKER_SETTINGS, GrantError, check, grant, worker_settings
+from tq_pipelines.db.migrate import DEFAULT_LOCK_WAIT_SECONDS, MigrationError, migrate
 from tq_pipelines.demo import seed_demo, start_demo
 from tq_pipelines.queue import QueueInputError, TaskQueue, resync_window
 from tq_pipelines.redact import redact_conninfo, redact_text
@@ -46,6 +46,7 @@ BATCHES = (1, 24)
 THRESHOLD_MINUTES = (1, 10_080)
 DEMO_STORES = (1, 10_000)
 PORTS = (1, 65_535)
+LOCK_WAIT_SECONDS = (1, 3600)
 PLATFORM_NAME_CHARS = 50
 
 # tq dev keeps the Dagster webserver and daemon up: a process that dies is restarted after a
@@ -96,6 +97,35 @@ def _int_between(low: int, high: int, what: str) -> Callable[[str], int]:
         if value is None or not low <= value <= high:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from {low} to {high} ({what})")
         return value
+
+    return parse
+
+
+def _seconds_between(low: int, high: int, what: str) -> Callable[[str], float]:
+    """An argparse type: seconds from ``low`` to ``high``; ``what`` says what they bound."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number of seconds from {low} to {high} ({what})"
+            )
+        return value
+
+    return parse
+
+
+def _duration(name: str) -> Callable[[str], str]:
+    """An argparse type: a duration for the worker role's setting ``name`` (30s, 5min, 0)."""
+
+    def parse(text: str) -> str:
+        try:
+            return worker_settings({name: text})[name]
+        except GrantError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
 
@@ -157,7 +187,7 @@ def _reason(exc: BaseException) -> str:
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
     url = _database()
-    applied = migrate(url)
+    applied = migrate(url, lock_wait_seconds=args.lock_wait_seconds)
     print("applied: " + ", ".join(applied) if applied else "up to date")
     return 0
 
@@ -235,13 +265,36 @@ def _password_from(variable: str | None, flag: str) -> str | None:
 
 
 def _cmd_grant(args: argparse.Namespace) -> int:
-    """The worker role (and the admin role) of the queue database, created or updated."""
+    """The worker role (and the admin role) of the queue database, created or updated; with
+    --check, what differs from that, one line each, and exit code 1 if anything does."""
+    settings = {
+        "statement_timeout": args.statement_timeout,
+        "lock_timeout": args.lock_timeout,
+        "idle_in_transaction_session_timeout": args.idle_in_transaction_timeout,
+    }
+    if args.check:
+        if args.admin_role or args.worker_password_env or args.admin_password_env:
+            raise CommandError("--check changes nothing: give it --worker-role and the timeouts only")
+        findings = check(
+            _database(start=False), worker_role=args.worker_role, settings=settings, setting="TQ_DATABASE_URL"
+        )
+        for line in findings:
+            print(line)
+        if findings:
+            print(
+                f"tq grant --check: {len(findings)} difference(s); tq grant puts the settings back",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{args.worker_role}: as tq grant leaves it")
+        return 0
     done = grant(
         _database(),
         worker_role=args.worker_role,
         admin_role=args.admin_role,
         worker_password=_password_from(args.worker_password_env, "--worker-password-env"),
         admin_password=_password_from(args.admin_password_env, "--admin-password-env"),
+        settings=settings,
         setting="TQ_DATABASE_URL",
     )
     for line in done:
@@ -556,7 +609,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("migrate", help="apply the migrations in sql/migrations").set_defaults(func=_cmd_migrate)
+    mig = sub.add_parser("migrate", help="apply the migrations in sql/migrations")
+    mig.add_argument(
+        "--lock-wait-seconds",
+        type=_seconds_between(*LOCK_WAIT_SECONDS, "the wait for another migrator"),
+        default=DEFAULT_LOCK_WAIT_SECONDS,
+        help=f"give up, naming the holder, after waiting this long for the migration lock "
+        f"(default {DEFAULT_LOCK_WAIT_SECONDS:g})",
+    )
+    mig.set_defaults(func=_cmd_migrate)
 
     db = sub.add_parser(
         "db", help="the embedded database: print its URL (url), start it and print it (start), or stop it"
@@ -602,6 +663,21 @@ def build_parser() -> argparse.ArgumentParser:
     grant_cmd.add_argument("--admin-role", help="the role that owns the schema and migrates (default: as is)")
     grant_cmd.add_argument("--worker-password-env", metavar="VAR", help="set the worker's password from $VAR")
     grant_cmd.add_argument("--admin-password-env", metavar="VAR", help="set the admin's password from $VAR")
+    for flag, name in (
+        ("--statement-timeout", "statement_timeout"),
+        ("--lock-timeout", "lock_timeout"),
+        ("--idle-in-transaction-timeout", "idle_in_transaction_session_timeout"),
+    ):
+        default = DEFAULT_WORKER_SETTINGS[name]
+        grant_cmd.add_argument(
+            flag, type=_duration(name), default=default, help=f"the worker's {name} here (default {default})"
+        )
+    grant_cmd.add_argument(
+        "--check",
+        action="store_true",
+        help="change nothing: print what differs from what tq grant sets (settings the worker gave "
+        "itself, other routes to the tables), exit code 1 if anything does",
+    )
     grant_cmd.set_defaults(func=_cmd_grant)
 
     defaults = RetentionSettings()

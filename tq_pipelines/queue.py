@@ -369,7 +369,8 @@ class TaskQueue:
         )
 
     def worker_completed(self, worker_id: str, count: int) -> None:
-        """Count completions written in handlers' own transactions in the worker's registry."""
+        """Count completions written in handlers' own transactions in the worker's registry
+        (0 to 100,000 at a time: the database refuses more)."""
         _require_int32("count", count)
         self._one("worker_completed", {"worker_id": worker_id, "count": count})
 
@@ -402,10 +403,16 @@ class TaskQueue:
         """Give back now the tasks of those of ``worker_ids`` whose session has ended (their
         process is gone), and mark them offline. A worker whose session is alive, or that has
         none, is left alone, whoever names it."""
-        if not worker_ids:
-            return RecoveryReport(0, 0, 0)
-        row = self._one("release_dead_workers", {"worker_ids": list(worker_ids)})
-        return RecoveryReport(row["recovered"], row["failed"], row["workers"])
+        recovered = failed = workers = 0
+        ids = list(worker_ids)
+        for start in range(0, len(ids), 1000):  # the function takes up to 1000 at a time
+            row = self._one("release_dead_workers", {"worker_ids": ids[start : start + 1000]})
+            recovered, failed, workers = (
+                recovered + row["recovered"],
+                failed + row["failed"],
+                workers + row["workers"],
+            )
+        return RecoveryReport(recovered, failed, workers)
 
     def deregister_worker(self, worker_id: str) -> bool:
         return bool(self._one("deregister_worker", {"worker_id": worker_id})["ok"])
@@ -461,9 +468,14 @@ class TaskQueue:
         max_retries: int = 3,
         payload: Mapping[str, JSON] | None = None,
     ) -> int:
-        """Add one task; returns its id. ``payload`` holds the role's parameters (a JSON object).
-        The database checks every argument (``enqueue_task`` in SQL) and refuses a bad one with a
-        :class:`QueueInputError` naming it."""
+        """Add one task; returns its id. ``payload`` holds the role's parameters (a JSON object
+        of at most 1 MB). The database checks every argument (``enqueue_task`` in SQL) and refuses
+        a bad one with a :class:`QueueInputError` naming it.
+
+        ``platform``: leave it out for a store's task, which takes its store's
+        (``dispensaries.menu_type``), the platform whose limits its requests keep; another one is
+        refused. A task of no store has the platform given here, or its payload's ``"platform"``,
+        or none (the two may not differ)."""
         for name, value in (
             ("dispensary_id", dispensary_id),
             ("priority", priority),
@@ -492,7 +504,7 @@ class TaskQueue:
         payload: Mapping[str, JSON] | None = None,
     ) -> int | None:
         """:meth:`enqueue` unless a task of the same role, store and payload is pending or active;
-        returns the new id, or None when there was one already."""
+        returns the new id, or None when there was one already. ``platform`` as for :meth:`enqueue`."""
         for name, value in (("dispensary_id", dispensary_id), ("priority", priority)):
             _require_int32(name, value)
         params = {

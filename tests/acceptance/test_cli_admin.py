@@ -31,25 +31,50 @@ def tq(*args: str, url: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def drop_roles(pg_server: str, db_url: str, names: list[str]) -> None:
+    """Give back what the roles own or hold in the test's database, then drop them."""
+    owner = conninfo_to_dict(pg_server).get("user") or "postgres"
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        for name in names:
+            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (name,)).fetchone():
+                conn.execute(
+                    sql.SQL("REASSIGN OWNED BY {} TO {}").format(sql.Identifier(name), sql.Identifier(owner))
+                )
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        for name in names:
+            conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
+
+
 @pytest.fixture
 def worker_role(pg_server: str, db_url: str) -> Iterator[str]:
     name = f"tq_cliworker_{uuid.uuid4().hex[:10]}"
     yield name
-    owner = conninfo_to_dict(pg_server).get("user") or "postgres"
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (name,)).fetchone():
-            conn.execute(
-                sql.SQL("REASSIGN OWNED BY {} TO {}").format(sql.Identifier(name), sql.Identifier(owner))
-            )
-            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
-    with psycopg.connect(pg_server, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
+    drop_roles(pg_server, db_url, [name])
 
 
-def test_tq_grant_makes_a_worker_that_drains_through_the_functions_only(db_url: str, worker_role: str):
+@pytest.fixture
+def admin_role(pg_server: str, db_url: str) -> Iterator[str]:
+    """The queue's owner: tq grant refuses a worker while the queue's functions are a superuser's."""
+    name = f"tq_cliadmin_{uuid.uuid4().hex[:10]}"
+    yield name
+    drop_roles(pg_server, db_url, [name])
+
+
+def test_tq_grant_makes_a_worker_that_drains_through_the_functions_only(
+    db_url: str, worker_role: str, admin_role: str
+):
     secret = f"pw-{uuid.uuid4().hex}"
     done = tq(
-        "grant", "--worker-role", worker_role, "--worker-password-env", "TQ_W_PW", url=db_url, TQ_W_PW=secret
+        "grant",
+        "--worker-role",
+        worker_role,
+        "--admin-role",
+        admin_role,
+        "--worker-password-env",
+        "TQ_W_PW",
+        url=db_url,
+        TQ_W_PW=secret,
     )
     assert done.returncode == 0, done.stderr
     assert worker_role in done.stdout

@@ -657,7 +657,11 @@ def test_slots_come_back_on_every_path(conn: psycopg.Connection, queue: TaskQueu
     tasks = queue.claim_many(ROLE, "w", 12, start=True)
     assert len(tasks) == 12
     assert sum(t.dispensary_id is None for t in tasks) == 2
-    ids = [t.id for t in tasks]
+    # The ninth path, a change of platform by hand, takes a task of no store: a store's task has
+    # its store's platform, and another is refused (migration 0012).
+    stored = [t.id for t in tasks if t.dispensary_id is not None]
+    loose = [t.id for t in tasks if t.dispensary_id is None]
+    ids = stored[:8] + loose[:1] + stored[8:] + loose[1:]
     assert in_flight(conn, "limited") == (12, 12)
 
     def released(n_left: int) -> None:
@@ -690,6 +694,9 @@ def test_slots_come_back_on_every_path(conn: psycopg.Connection, queue: TaskQueu
         """,
         (ids[7],),
     )
+    released(4)
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="must be that of store"):
+        conn.execute("UPDATE worker_tasks SET platform = 'elsewhere' WHERE id = %s", (ids[9],))
     released(4)
     conn.execute("UPDATE worker_tasks SET platform = 'elsewhere' WHERE id = %s", (ids[8],))
     released(3)

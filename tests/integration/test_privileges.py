@@ -81,6 +81,8 @@ INVOKER_FUNCTIONS = {
     "tq_secure_functions",
     "tq_grant_admin",
     "tq_grant_worker",
+    # the ways a worker could write the queue around its functions, for tq grant (0012)
+    "tq_worker_write_routes",
 }
 
 
@@ -117,9 +119,10 @@ def as_role(db_url: str, role: str) -> str:
 
 @pytest.fixture
 def worker_url(db_url: str, make_role: Callable[[str], str]) -> str:
-    """The URL of a worker role granted on the test's database."""
+    """The URL of a worker role granted on the test's database, the queue's objects owned by an
+    admin role (tq grant refuses a worker while they are a superuser's)."""
     role = make_role("worker")
-    grant(db_url, worker_role=role)
+    grant(db_url, worker_role=role, admin_role=make_role("admin"))
     return as_role(db_url, role)
 
 
@@ -595,12 +598,13 @@ def test_a_temporary_table_of_the_worker_does_not_stand_in_for_the_queues(
 def test_grant_is_idempotent_and_stores_only_a_password_verifier(
     db_url: str, conn: psycopg.Connection, make_role: Callable[[str], str]
 ):
-    role = make_role("worker")
+    role, admin = make_role("worker"), make_role("admin")
     password = "s3cret 'quoted\" $$ \\ pass"
-    first = grant(db_url, worker_role=role, worker_password=password)
+    first = grant(db_url, worker_role=role, admin_role=admin, worker_password=password)
     conn.execute("CREATE FUNCTION later_api() RETURNS INTEGER AS $$ SELECT 1 $$ LANGUAGE sql")
     conn.execute("INSERT INTO tq_api (function_name) VALUES ('later_api')")
-    second = grant(db_url, worker_role=role)  # after a migration that adds a function
+    # after a migration that adds a function (here the superuser's: the admin takes it over)
+    second = grant(db_url, worker_role=role, admin_role=admin)
     assert f"{role}: created, LOGIN" in first and f"{role}: exists" in second
     assert not any(password in line for line in first + second)
     stored = conn.execute("SELECT rolpassword FROM pg_authid WHERE rolname = %s", (role,)).fetchone()[0]
@@ -779,7 +783,10 @@ def test_the_password_is_sent_as_scram_whatever_the_servers_password_encryption(
 ):
     role = make_role("worker")
     grant(
-        make_conninfo(db_url, options="-c password_encryption=md5"), worker_role=role, worker_password="pw 1"
+        make_conninfo(db_url, options="-c password_encryption=md5"),
+        worker_role=role,
+        admin_role=make_role("admin"),
+        worker_password="pw 1",
     )
     stored = conn.execute("SELECT rolpassword FROM pg_authid WHERE rolname = %s", (role,)).fetchone()[0]
     assert stored.startswith("SCRAM-SHA-256$")

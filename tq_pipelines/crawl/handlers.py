@@ -36,6 +36,13 @@ def _store(ctx: TaskContext, task: Task) -> dict[str, Any]:
         row = cur.execute(query("store_entry_point"), {"dispensary_id": task.dispensary_id}).fetchone()
     if row is None:
         raise PermanentTaskError(f"store {task.dispensary_id} does not exist")
+    # The task holds its platform's slot (the permit keys on task.platform); its requests must go
+    # to that platform. The queue keeps the two equal (migration 0012): this is the last guard.
+    if row["menu_type"] != task.platform:
+        raise PermanentTaskError(
+            f"store {row['id']} is on platform {row['menu_type']!r}, its task on {task.platform!r}: "
+            "its requests would not keep the limits of the platform they go to"
+        )
     return row
 
 
@@ -51,7 +58,8 @@ def _gone(ctx: TaskContext, store: dict[str, Any], exc: GoneError) -> PermanentT
 
 def store_discovery(task: Task, ctx: TaskContext) -> JSON:
     """List a platform's stores in one region (payload: platform, region) and upsert them."""
-    platform = task.payload.get("platform") or task.platform
+    # The task's own platform first: its permit keys on it (the queue keeps the payload's equal).
+    platform = task.platform or task.payload.get("platform")
     region = task.payload.get("region")
     if not platform:
         raise PermanentTaskError(

@@ -1,16 +1,21 @@
 """Apply ``sql/migrations/NNNN_name.sql`` in order, once each, recorded with checksums."""
 
 import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
-from psycopg import sql
+from psycopg import errors, sql
 
 from tq_pipelines.db.queries import query, sql_dir
 
 # pg_advisory_lock key shared by every migrator of this schema.
 LOCK_KEY = 0x7451_0074
+
+# How long a migrator waits for that lock before it gives up and names who holds it: a second
+# migrator waits out the first (a few seconds), not a session that took the lock and sits on it.
+DEFAULT_LOCK_WAIT_SECONDS = 60.0
 
 
 class MigrationError(RuntimeError):
@@ -67,12 +72,25 @@ def pending_migrations(conn: psycopg.Connection, migrations: list[Migration]) ->
     return [m for m in migrations if m.version not in applied]
 
 
-def migrate(conninfo: str, migrations: list[Migration] | None = None) -> list[str]:
-    """Apply what is missing, each migration in its own transaction; returns the files applied."""
+def migrate(
+    conninfo: str,
+    migrations: list[Migration] | None = None,
+    *,
+    lock_wait_seconds: float = DEFAULT_LOCK_WAIT_SECONDS,
+) -> list[str]:
+    """Apply what is missing, each migration in its own transaction; returns the files applied.
+
+    Waits at most ``lock_wait_seconds`` for another migrator's lock, then raises
+    :class:`MigrationError` naming the session that holds it (pid, user, application, since when).
+    """
+    if not (math.isfinite(lock_wait_seconds) and lock_wait_seconds > 0):
+        raise MigrationError(
+            f"lock_wait_seconds must be a number of seconds above 0, got {lock_wait_seconds!r}"
+        )
     migrations = load_migrations() if migrations is None else migrations
     applied: list[str] = []
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute(query("migrations_lock"), {"key": LOCK_KEY})
+        _lock(conn, lock_wait_seconds)
         try:
             conn.execute(query("migrations_table"))
             for migration in pending_migrations(conn, migrations):
@@ -91,3 +109,41 @@ def migrate(conninfo: str, migrations: list[Migration] | None = None) -> list[st
         finally:
             conn.execute(query("migrations_unlock"), {"key": LOCK_KEY})
     return applied
+
+
+def _lock(conn: psycopg.Connection, wait_seconds: float) -> None:
+    """Take the migrators' lock, waiting at most ``wait_seconds`` (the session's lock_timeout
+    for that one statement, then back as it was)."""
+    row = conn.execute(query("lock_timeout_get")).fetchone()
+    assert row is not None
+    previous = str(row[0])
+    conn.execute(query("lock_timeout_set"), {"value": f"{max(1, round(wait_seconds * 1000))}ms"})
+    try:
+        conn.execute(query("migrations_lock"), {"key": LOCK_KEY})
+    except errors.LockNotAvailable:
+        holders = conn.execute(query("migrations_lock_holders"), {"key": LOCK_KEY}).fetchall()
+        raise MigrationError(
+            f"gave up after {wait_seconds:g} s waiting for the migration lock "
+            f"(pg_advisory_lock({LOCK_KEY})), held by {_holders(holders)}: wait for it to finish, or end "
+            "that session (SELECT pg_terminate_backend(<pid>)), then run tq migrate again"
+        ) from None
+    finally:
+        conn.execute(query("lock_timeout_set"), {"value": previous})
+
+
+def _holders(rows: list[tuple]) -> str:
+    """Who holds the lock, as pg_locks and pg_stat_activity say (what a role may not see of
+    another's session is 'unknown')."""
+    if not rows:
+        return "a session that has let it go since"
+    described = []
+    for pid, user, application, backend_start, state, state_change in rows:
+        since = backend_start.isoformat(sep=" ", timespec="seconds") if backend_start else "unknown"
+        text = (
+            f"pid {pid} (user {user or 'unknown'}, application {application or ''!r}, connected since {since}"
+        )
+        if state:
+            changed = state_change.isoformat(sep=" ", timespec="seconds") if state_change else "unknown"
+            text += f", {state} since {changed}"
+        described.append(text + ")")
+    return "; ".join(described)
