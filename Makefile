@@ -28,12 +28,12 @@ test: $(STAMP) ## run the tests (TQ_TEST_DATABASE_URL, else an embedded PostgreS
 	$(BIN)/pytest
 
 lint: $(STAMP) ## ruff: lint and format check
-	$(BIN)/ruff check tq_pipelines tests bench
-	$(BIN)/ruff format --check tq_pipelines tests bench
+	$(BIN)/ruff check tq_pipelines tq_pipelines_demo tests bench
+	$(BIN)/ruff format --check tq_pipelines tq_pipelines_demo tests bench
 
 format: $(STAMP) ## ruff: fix what can be fixed and format
-	$(BIN)/ruff check --fix tq_pipelines tests bench
-	$(BIN)/ruff format tq_pipelines tests bench
+	$(BIN)/ruff check --fix tq_pipelines tq_pipelines_demo tests bench
+	$(BIN)/ruff format tq_pipelines tq_pipelines_demo tests bench
 
 typecheck: $(STAMP) ## mypy on the package
 	$(BIN)/mypy

@@ -33,8 +33,8 @@ from psycopg.conninfo import make_conninfo
 
 from bench.queue_throughput import load, recreate_db
 from tq_pipelines.db.migrate import migrate
-from tq_pipelines.queue import Task, TaskQueue
-from tq_pipelines.worker import TaskContext, Worker
+from tq_pipelines.queue.api import Task, TaskQueue
+from tq_pipelines.queue.worker import TaskContext, Worker
 
 ROLE = "product_resync"
 BENCH_DB = "tq_bench_completion"

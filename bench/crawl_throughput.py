@@ -36,11 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.queue_throughput import recreate_db  # noqa: E402
-from tq_pipelines.crawl.simulator import PlatformProfile, Simulator, platforms_toml  # noqa: E402
 from tq_pipelines.db.migrate import migrate  # noqa: E402
-from tq_pipelines.jobs import drain_tasks_job  # noqa: E402
-from tq_pipelines.queue import TaskQueue  # noqa: E402
-from tq_pipelines.resources import CrawlResource, QueueResource  # noqa: E402
+from tq_pipelines.defs.jobs import drain_tasks_job  # noqa: E402
+from tq_pipelines.defs.resources import CrawlResource, QueueResource  # noqa: E402
+from tq_pipelines.queue.api import TaskQueue  # noqa: E402
+from tq_pipelines_demo.simulator import PlatformProfile, Simulator, platforms_toml  # noqa: E402
 
 NAMES = ("dutchie", "jane", "treez", "weedmaps", "leafly", "meadow")
 CHANGE_SECONDS = 600.0

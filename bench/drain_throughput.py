@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 from bench.queue_throughput import recreate_db, reset_stores  # noqa: E402
 from tq_pipelines.db import sqlalchemy_url  # noqa: E402
 from tq_pipelines.db.migrate import migrate  # noqa: E402
-from tq_pipelines.queue import TaskQueue  # noqa: E402
-from tq_pipelines.worker import Worker  # noqa: E402
+from tq_pipelines.queue.api import TaskQueue  # noqa: E402
+from tq_pipelines.queue.worker import Worker  # noqa: E402
 
 ROLE = "product_resync"
 

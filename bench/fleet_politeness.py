@@ -42,16 +42,16 @@ sys.path.insert(0, str(ROOT))
 from bench.queue_throughput import recreate_db  # noqa: E402
 from tq_pipelines.crawl.handlers import HTTP_ROLES, enqueue_store_discovery  # noqa: E402
 from tq_pipelines.crawl.platforms import load_platform_settings  # noqa: E402
-from tq_pipelines.crawl.simulator import (  # noqa: E402
+from tq_pipelines.db.migrate import migrate  # noqa: E402
+from tq_pipelines.defs.jobs import drain_tasks_job  # noqa: E402
+from tq_pipelines.defs.resources import CrawlResource, QueueResource  # noqa: E402
+from tq_pipelines.queue.api import TaskQueue  # noqa: E402
+from tq_pipelines_demo.simulator import (  # noqa: E402
     PlatformProfile,
     Simulator,
     platforms_toml,
     politeness_report,
 )
-from tq_pipelines.db.migrate import migrate  # noqa: E402
-from tq_pipelines.jobs import drain_tasks_job  # noqa: E402
-from tq_pipelines.queue import TaskQueue  # noqa: E402
-from tq_pipelines.resources import CrawlResource, QueueResource  # noqa: E402
 
 NAMES = ("dutchie", "jane", "treez")
 MAX_IN_FLIGHT = 3

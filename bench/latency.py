@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tq_pipelines.db.migrate import load_migrations, migrate
 from tq_pipelines.db.schema import split_statements
-from tq_pipelines.queue import ROLES
+from tq_pipelines.queue.api import ROLES
 
 ROLE = "product_resync"
 WORKER = "bench-latency"

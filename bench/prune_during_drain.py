@@ -10,7 +10,7 @@ triggers of worker_tasks run once per chunk, over its transition table), and a b
 pending no-op tasks over 1,000 stores. Then ``--workers`` processes drain as the Worker loop does
 (``claim_tasks`` of 50 with start, then ``complete_tasks``), each timing its claims, for the
 whole run; the run alternates windows of ``--window`` seconds without and with the prune
-(``tq_pipelines.retention.prune`` with its default settings: 5,000 rows a batch, 50 ms apart,
+(``tq_pipelines.queue.retention.prune`` with its default settings: 5,000 rows a batch, 50 ms apart,
 its time budget the window), ``--rounds`` times each. Between windows, unmeasured, the backlog is
 topped up, and before a window with the prune the finished rows are topped up to ``--rows``
 again (in older hours, whose rollup the prune then makes, as it would the first time).
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.queue_throughput import ROLE, recreate_db
 from tq_pipelines.db.migrate import migrate
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.retention import RetentionSettings, prune
+from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines.queue.retention import RetentionSettings, prune
 
 BENCH_DB = "tq_bench_prune"
 STORES = 1000

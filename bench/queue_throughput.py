@@ -37,8 +37,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tq_pipelines.db.migrate import load_migrations, migrate
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.worker import Worker
+from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines.queue.worker import Worker
 
 ROLE = "product_resync"
 BENCH_DB = "tq_bench"

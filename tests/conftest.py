@@ -16,10 +16,10 @@ from psycopg.conninfo import make_conninfo
 from tq_pipelines.db import embedded
 from tq_pipelines.db.migrate import migrate
 from tq_pipelines.db.queries import query
-from tq_pipelines.queue import TaskQueue
+from tq_pipelines.queue.api import TaskQueue
 
 # What a developer's shell may export for `make dev` must not reach the tests: the partitions
-# are read from TQ_DATABASE_URL (or TQ_FIRST_DAY) when tq_pipelines.partitions is imported (after
+# are read from TQ_DATABASE_URL (or TQ_FIRST_DAY) when tq_pipelines.defs.partitions is imported (after
 # this module), alert links from TQ_DAGSTER_URL. Tests that need them set them themselves.
 for _name in ("TQ_DATABASE_URL", "TQ_FIRST_DAY", "TQ_DAGSTER_URL", "TQ_PLATFORMS_FILE", "TQ_HANDLERS"):
     os.environ.pop(_name, None)

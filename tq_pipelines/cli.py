@@ -35,10 +35,10 @@ from tq_pipelines.db import (
 )
 from tq_pipelines.db.grant import DEFAULT_WORKER_SETTINGS, GrantError, check, grant, worker_settings
 from tq_pipelines.db.migrate import DEFAULT_LOCK_WAIT_SECONDS, MigrationError, migrate
-from tq_pipelines.demo import seed_demo, start_demo
-from tq_pipelines.queue import QueueInputError, TaskQueue, resync_window
-from tq_pipelines.redact import redact_conninfo, redact_text
-from tq_pipelines.retention import RetentionSettings, RetentionSettingsError, prune
+from tq_pipelines.queue.api import QueueInputError, TaskQueue, resync_window
+from tq_pipelines.queue.redact import redact_conninfo, redact_text
+from tq_pipelines.queue.retention import RetentionSettings, RetentionSettingsError, prune
+from tq_pipelines_demo.fleet import seed_demo, start_demo
 
 # Bounds of the arguments checked as they are parsed. The database checks the queue's own again
 # (generate_resync_tasks, recover_stale_tasks) and stays the authority on them.

@@ -4,21 +4,18 @@ import os
 
 import dagster as dg
 
-from tq_pipelines.alerts import AlertResource
-from tq_pipelines.assets import task_completion_log, task_completion_log_job
-from tq_pipelines.bindings import crawl_resource, queue_resource
-from tq_pipelines.freshness import store_freshness, store_freshness_job, store_freshness_schedule
-from tq_pipelines.handlers import load_handlers
-from tq_pipelines.jobs import (
-    demo_crawl_job,
+from tq_pipelines.defs.alerting import AlertResource
+from tq_pipelines.defs.bindings import crawl_resource, queue_resource
+from tq_pipelines.defs.freshness import store_freshness, store_freshness_job, store_freshness_schedule
+from tq_pipelines.defs.jobs import (
     drain_tasks_job,
     enqueue_analytics_refresh_job,
     enqueue_store_discovery_job,
     recover_stale_tasks_job,
 )
-from tq_pipelines.lineage import observable_tables, table_rows_sensor
-from tq_pipelines.prune import prune_job, prune_schedule
-from tq_pipelines.resync import (
+from tq_pipelines.defs.lineage import observable_tables, table_rows_sensor
+from tq_pipelines.defs.prune import prune_job, prune_schedule
+from tq_pipelines.defs.resync import (
     backfill_finished,
     generate_resync_tasks,
     generate_resync_tasks_job,
@@ -26,17 +23,19 @@ from tq_pipelines.resync import (
     resync_catchup_sensor,
     resync_progress_sensor,
 )
-from tq_pipelines.schedules import (
+from tq_pipelines.defs.rollup import task_completion_log, task_completion_log_job
+from tq_pipelines.defs.schedules import (
     analytics_refresh_schedule,
-    demo_crawl_schedule,
     recover_stale_tasks_schedule,
     store_discovery_schedule,
     task_completion_log_current_hour_schedule,
     task_completion_log_schedule,
 )
-from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
-from tq_pipelines.sensors.platforms import platform_limits_asset, platform_status_sensor
-from tq_pipelines.sensors.queue import task_queue_sensor
+from tq_pipelines.defs.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
+from tq_pipelines.defs.sensors.platforms import platform_limits_asset, platform_status_sensor
+from tq_pipelines.defs.sensors.queue import task_queue_sensor
+from tq_pipelines.handlers import load_handlers
+from tq_pipelines_demo.dagster import demo_crawl_schedule
 
 # A plugged-in handler that cannot be loaded is an error here, at load, not a failed task at 3 a.m.
 # A role with no handler at all is not: roles are rows of worker_task_roles, and one without a
@@ -66,7 +65,6 @@ defs = dg.Definitions(
         task_completion_log_job,
         enqueue_store_discovery_job,
         enqueue_analytics_refresh_job,
-        demo_crawl_job,
         store_freshness_job,
         prune_job,
     ],

@@ -22,7 +22,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tests.helpers import add_stores
-from tq_pipelines.queue import RESYNC_DAYS_AHEAD, RESYNC_DAYS_BACK
+from tq_pipelines.queue.api import RESYNC_DAYS_AHEAD, RESYNC_DAYS_BACK
 
 ROOT = Path(__file__).resolve().parents[2]
 TQ = [str(Path(sys.executable).with_name("tq"))]

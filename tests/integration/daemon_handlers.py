@@ -6,8 +6,8 @@ import os
 import time
 from typing import Any
 
-from tq_pipelines.queue import Task
-from tq_pipelines.worker import TaskContext
+from tq_pipelines.queue.api import Task
+from tq_pipelines.queue.worker import TaskContext
 
 
 def hold(task: Task, ctx: TaskContext) -> dict[str, Any]:

@@ -21,11 +21,11 @@ from tests.dagster_helpers import Webhook
 from tests.helpers import add_stores, add_tasks
 from tests.integration.test_dagster_sensors import age, insert_finished
 from tests.integration.test_secrets import assert_hidden
-from tq_pipelines.alerts import AlertResource
-from tq_pipelines.jobs import drain_tasks_job
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import CrawlResource, QueueResource
-from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
+from tq_pipelines.defs.alerting import AlertResource
+from tq_pipelines.defs.jobs import drain_tasks_job
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
+from tq_pipelines.queue.api import TaskQueue
 
 ROLES = ("product_resync", "product_discovery", "store_discovery")
 FAILING = {f"{role}: failure rate 50% in the last hour" for role in ROLES}

@@ -31,10 +31,10 @@ from psycopg.types.json import Jsonb
 from tests.helpers import add_stores, assert_platform_counters_consistent, assert_store_state_consistent
 from tests.integration.test_crawl_politeness import drains_at_once, platforms_file
 from tq_pipelines import cli
-from tq_pipelines.crawl.simulator import PlatformProfile, Simulator, politeness_report
 from tq_pipelines.db.grant import DEFAULT_WORKER_SETTINGS, GrantError, check, grant
 from tq_pipelines.db.migrate import LOCK_KEY, MigrationError, migrate
-from tq_pipelines.queue import QueueInputError, TaskQueue
+from tq_pipelines.queue.api import QueueInputError, TaskQueue
+from tq_pipelines_demo.simulator import PlatformProfile, Simulator, politeness_report
 
 ROLE = "product_resync"
 MB = 1_048_576

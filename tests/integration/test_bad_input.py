@@ -20,7 +20,7 @@ from psycopg.types.json import Jsonb
 from tests.conftest import create_database, drop_database
 from tests.helpers import add_stores
 from tq_pipelines.db.queries import query
-from tq_pipelines.queue import (
+from tq_pipelines.queue.api import (
     RESYNC_DAYS_AHEAD,
     RESYNC_DAYS_BACK,
     PlatformLimits,

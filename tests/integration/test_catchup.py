@@ -11,8 +11,8 @@ import pytest
 
 from tests.dagster_helpers import op_metadata
 from tests.helpers import add_stores
-from tq_pipelines.resources import CrawlResource, QueueResource
-from tq_pipelines.resync import CATCHUP_ATTEMPTS, generate_resync_tasks_job, resync_catchup_sensor
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.resync import CATCHUP_ATTEMPTS, generate_resync_tasks_job, resync_catchup_sensor
 
 UNREACHABLE = "postgresql://tq@127.0.0.1:1/nowhere?connect_timeout=1"
 

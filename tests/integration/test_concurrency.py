@@ -8,7 +8,7 @@ import psycopg
 import pytest
 
 from tests.helpers import add_stores, add_tasks, assert_store_state_consistent, status_counts
-from tq_pipelines.queue import TaskQueue
+from tq_pipelines.queue.api import TaskQueue
 
 WORKERS = 32
 STORES = 200

@@ -21,19 +21,22 @@ from psycopg.types.json import Jsonb
 
 from tests.dagster_helpers import Webhook, failure_text, op_metadata
 from tests.helpers import add_stores, add_tasks, assert_store_state_consistent, status_counts
-from tq_pipelines.alerts import AlertResource
-from tq_pipelines.crawl.simulator import REGIONS, PlatformProfile, Simulator
-from tq_pipelines.jobs import (
-    demo_crawl_job,
+from tq_pipelines.defs.alerting import AlertResource
+from tq_pipelines.defs.jobs import (
     drain_tasks_job,
     enqueue_analytics_refresh_job,
     enqueue_store_discovery_job,
     generate_resync_tasks_job,
 )
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import CrawlResource, QueueResource
-from tq_pipelines.schedules import analytics_refresh_schedule, demo_crawl_schedule, store_discovery_schedule
-from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.schedules import (
+    analytics_refresh_schedule,
+    store_discovery_schedule,
+)
+from tq_pipelines.defs.sensors.alerts import HealthThresholds, queue_health_sensor
+from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines_demo.dagster import demo_crawl_job, demo_crawl_schedule
+from tq_pipelines_demo.simulator import REGIONS, PlatformProfile, Simulator
 
 PLATFORMS = ("dutchie", "jane")
 STORES = 12  # per platform: four per region

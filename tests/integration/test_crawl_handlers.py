@@ -26,9 +26,9 @@ from psycopg.rows import dict_row
 from tests.helpers import assert_store_state_consistent, status_counts
 from tq_pipelines.crawl.handlers import HANDLERS, enqueue_store_discovery
 from tq_pipelines.crawl.platforms import CrawlServices, PlatformSettings, load_platform_settings
-from tq_pipelines.crawl.simulator import REGIONS, PlatformProfile, SimulatedPlatform, Simulator
-from tq_pipelines.queue import Task, TaskQueue
-from tq_pipelines.worker import DrainStats, LeaseLostError, TaskContext, Worker
+from tq_pipelines.queue.api import Task, TaskQueue
+from tq_pipelines.queue.worker import DrainStats, LeaseLostError, TaskContext, Worker
+from tq_pipelines_demo.simulator import REGIONS, PlatformProfile, SimulatedPlatform, Simulator
 
 # No rate limit to speak of and no hang longer than a test can afford, unless a test says so.
 FAST = {"requests_per_second": 1000.0, "timeout_seconds": 5.0}

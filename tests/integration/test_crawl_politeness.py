@@ -26,9 +26,9 @@ from tests.dagster_helpers import failure_text, op_metadata
 from tests.integration.test_crawl_dagster import add_simulated_stores, drain, write_platforms
 from tq_pipelines.crawl.handlers import crawl_menu
 from tq_pipelines.crawl.platforms import CrawlServices, load_platform_settings, sync_limits
-from tq_pipelines.crawl.simulator import PlatformProfile, Simulator, platforms_toml, politeness_report
-from tq_pipelines.queue import JSON, Task, TaskQueue
-from tq_pipelines.worker import TaskContext, Worker
+from tq_pipelines.queue.api import JSON, Task, TaskQueue
+from tq_pipelines.queue.worker import TaskContext, Worker
+from tq_pipelines_demo.simulator import PlatformProfile, Simulator, platforms_toml, politeness_report
 
 PLATFORMS = ("dutchie", "jane")
 ROLE = "product_discovery"

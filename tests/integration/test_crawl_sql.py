@@ -16,7 +16,7 @@ from psycopg.types.json import Jsonb
 from tests.helpers import add_stores, assert_store_state_consistent
 from tq_pipelines.crawl.menu import menu_hash, normalise_menu
 from tq_pipelines.db.queries import query
-from tq_pipelines.queue import TaskQueue
+from tq_pipelines.queue.api import TaskQueue
 
 ROLE = "product_resync"
 LOOSE = "store_discovery"  # tasks without a store

@@ -25,7 +25,7 @@ from psycopg.conninfo import make_conninfo
 from tests.conftest import create_database, drop_database
 from tests.helpers import add_stores, add_tasks
 from tq_pipelines.db import sqlalchemy_url
-from tq_pipelines.jobs import drain_worker_id
+from tq_pipelines.defs.jobs import drain_worker_id
 
 pytestmark = pytest.mark.slow
 

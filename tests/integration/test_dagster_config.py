@@ -24,11 +24,11 @@ from pydantic import ValidationError
 
 from tests.dagster_helpers import failure_text
 from tests.helpers import add_stores, add_tasks, status_counts
-from tq_pipelines.alerts import AlertResource
-from tq_pipelines.jobs import drain_tasks_job, generate_resync_tasks_job
-from tq_pipelines.resources import CrawlResource, QueueResource
-from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor
-from tq_pipelines.sensors.queue import task_queue_sensor
+from tq_pipelines.defs.alerting import AlertResource
+from tq_pipelines.defs.jobs import drain_tasks_job, generate_resync_tasks_job
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.sensors.alerts import HealthThresholds, queue_health_sensor
+from tq_pipelines.defs.sensors.queue import task_queue_sensor
 
 ROLE = "product_resync"
 ENV = "TQ_TEST_C_SETTING"

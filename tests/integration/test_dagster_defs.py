@@ -7,7 +7,7 @@ import dagster as dg
 import pytest
 
 from tq_pipelines.definitions import defs
-from tq_pipelines.resync import generate_resync_tasks_schedule
+from tq_pipelines.defs.resync import generate_resync_tasks_schedule
 
 JOBS = {
     "generate_resync_tasks_job",

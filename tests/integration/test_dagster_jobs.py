@@ -20,11 +20,11 @@ from psycopg.conninfo import conninfo_to_dict
 
 from tests.dagster_helpers import failure_text, op_metadata
 from tests.helpers import add_stores, add_tasks, assert_store_state_consistent, status_counts
-from tq_pipelines.assets import task_completion_log
+from tq_pipelines.defs.jobs import drain_tasks_job, generate_resync_tasks_job, recover_stale_tasks_job
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.rollup import task_completion_log
 from tq_pipelines.handlers import ENTRY_POINT_GROUP, HandlerRegistryError, load_handlers
-from tq_pipelines.jobs import drain_tasks_job, generate_resync_tasks_job, recover_stale_tasks_job
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import CrawlResource, QueueResource
+from tq_pipelines.queue.api import TaskQueue
 
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/x"
 ROLE = "product_resync"

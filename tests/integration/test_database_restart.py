@@ -12,8 +12,8 @@ import pytest
 from tests.helpers import add_stores, add_tasks
 from tq_pipelines.db import embedded
 from tq_pipelines.db.migrate import migrate
-from tq_pipelines.queue import Task, TaskQueue
-from tq_pipelines.worker import TaskContext, Worker
+from tq_pipelines.queue.api import Task, TaskQueue
+from tq_pipelines.queue.worker import TaskContext, Worker
 
 ROLE = "product_resync"
 

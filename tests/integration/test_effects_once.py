@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from tests.helpers import add_stores, assert_store_state_consistent
-from tq_pipelines.queue import TaskQueue
+from tq_pipelines.queue.api import TaskQueue
 
 ROLE = "product_resync"
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,8 +29,8 @@ KILL_AT = (50, 150, 250)
 WORKER = """
 import json, random, sys, time
 from psycopg.conninfo import make_conninfo
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.worker import Worker
+from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines.queue.worker import Worker
 
 url, worker_id, mode = sys.argv[1:4]
 # Named, so that the test can see when the server has ended this worker's sessions.

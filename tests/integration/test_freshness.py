@@ -9,8 +9,7 @@ import psycopg
 import pytest
 from pydantic import ValidationError
 
-from tq_pipelines.assets import task_completion_log, task_completion_log_job
-from tq_pipelines.freshness import (
+from tq_pipelines.defs.freshness import (
     STALE_SHARE_CHECK,
     stale_store_problems,
     store_freshness,
@@ -18,9 +17,13 @@ from tq_pipelines.freshness import (
     store_freshness_job,
     store_freshness_schedule,
 )
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import CrawlResource, QueueResource
-from tq_pipelines.schedules import task_completion_log_current_hour_schedule, task_completion_log_schedule
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.rollup import task_completion_log, task_completion_log_job
+from tq_pipelines.defs.schedules import (
+    task_completion_log_current_hour_schedule,
+    task_completion_log_schedule,
+)
+from tq_pipelines.queue.api import TaskQueue
 
 
 def add_store(

@@ -6,7 +6,7 @@ from datetime import timedelta
 import psycopg
 
 from tests.helpers import add_stores, assert_store_state_consistent
-from tq_pipelines.queue import TaskQueue
+from tq_pipelines.queue.api import TaskQueue
 
 ROLE = "product_resync"
 

@@ -16,16 +16,16 @@ import psycopg
 import pytest
 
 from tests.helpers import add_stores, add_tasks, assert_store_state_consistent
-from tq_pipelines.queue import Task, TaskQueue
-from tq_pipelines.worker import TaskContext, Worker
+from tq_pipelines.queue.api import Task, TaskQueue
+from tq_pipelines.queue.worker import TaskContext, Worker
 
 ROLE = "product_resync"
 ROOT = Path(__file__).resolve().parents[2]
 
 SLEEPER = """
 import sys, time
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.worker import Worker
+from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines.queue.worker import Worker
 url, worker_id = sys.argv[1:3]
 queue = TaskQueue.connect(url, max_size=4)
 Worker(queue, "product_resync", lambda task, ctx: time.sleep(600), worker_id=worker_id,

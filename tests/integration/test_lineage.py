@@ -11,8 +11,8 @@ import pytest
 
 from tests.helpers import add_stores, add_tasks
 from tq_pipelines.definitions import defs
-from tq_pipelines.lineage import table_rows_sensor
-from tq_pipelines.resources import QueueResource
+from tq_pipelines.defs.lineage import table_rows_sensor
+from tq_pipelines.defs.resources import QueueResource
 
 NAMED = {
     "dispensaries",

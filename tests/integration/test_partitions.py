@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tq_pipelines.partitions import database_first_hour, first_hour
+from tq_pipelines.defs.partitions import database_first_hour, first_hour
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,9 +62,9 @@ NEW_DEPLOYMENT = """
 import json
 from datetime import UTC, datetime
 import dagster as dg
-from tq_pipelines.assets import task_completion_log
+from tq_pipelines.defs.rollup import task_completion_log
 from tq_pipelines.definitions import defs
-from tq_pipelines.resources import QueueResource
+from tq_pipelines.defs.resources import QueueResource
 
 repo = defs.get_repository_def()
 now = datetime.now(UTC)

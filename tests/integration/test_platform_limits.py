@@ -24,8 +24,8 @@ from tests.helpers import (
     assert_store_state_consistent,
     status_counts,
 )
-from tq_pipelines.queue import PlatformLimits, QueueInputError, Task, TaskQueue
-from tq_pipelines.worker import TaskContext, Worker
+from tq_pipelines.queue.api import PlatformLimits, QueueInputError, Task, TaskQueue
+from tq_pipelines.queue.worker import TaskContext, Worker
 
 ROLE = "product_resync"
 ROOT = Path(__file__).resolve().parents[2]
@@ -354,7 +354,7 @@ def test_a_small_claim_takes_the_platforms_in_turns(conn: psycopg.Connection, qu
 
 CLAIMER = """
 import sys, time
-from tq_pipelines.queue import TaskQueue
+from tq_pipelines.queue.api import TaskQueue
 url, role, worker_id, max_tasks, ask = sys.argv[1:6]
 queue = TaskQueue.connect(url, max_size=1)
 tasks = queue.claim_many(role, worker_id, int(max_tasks), start=True)

@@ -18,9 +18,9 @@ from tests.helpers import add_stores
 from tests.integration.test_crawl_dagster import evaluate_health, write_platforms
 from tq_pipelines.cli import main
 from tq_pipelines.crawl.platforms import load_platform_settings, sync_limits
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import CrawlResource, QueueResource
-from tq_pipelines.sensors.platforms import PLATFORM_LIMITS, platform_status_sensor
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.sensors.platforms import PLATFORM_LIMITS, platform_status_sensor
+from tq_pipelines.queue.api import TaskQueue
 
 # Nothing listens there: the sensors and the command read the file, they never send a request.
 FILE = """\

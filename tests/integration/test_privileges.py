@@ -24,25 +24,25 @@ from psycopg.types.json import Jsonb
 
 from tests.dagster_helpers import Webhook, failure_text, op_metadata
 from tests.helpers import add_stores, add_tasks, status_counts
-from tq_pipelines.alerts import AlertResource
-from tq_pipelines.assets import task_completion_log
 from tq_pipelines.crawl.menu import menu_hash, normalise_menu
 from tq_pipelines.db.grant import GrantError, grant
 from tq_pipelines.db.migrate import Migration, load_migrations, migrate
 from tq_pipelines.db.queries import query
-from tq_pipelines.freshness import store_freshness
-from tq_pipelines.jobs import (
+from tq_pipelines.defs.alerting import AlertResource
+from tq_pipelines.defs.freshness import store_freshness
+from tq_pipelines.defs.jobs import (
     drain_tasks_job,
     enqueue_analytics_refresh_job,
     generate_resync_tasks_job,
     recover_stale_tasks_job,
 )
-from tq_pipelines.prune import prune_job
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import CrawlResource, QueueResource
-from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor
-from tq_pipelines.sensors.queue import task_queue_sensor
-from tq_pipelines.worker import Worker
+from tq_pipelines.defs.prune import prune_job
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.rollup import task_completion_log
+from tq_pipelines.defs.sensors.alerts import HealthThresholds, queue_health_sensor
+from tq_pipelines.defs.sensors.queue import task_queue_sensor
+from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines.queue.worker import Worker
 
 ROLE = "product_resync"
 PINNED = "search_path=public, pg_temp"

@@ -14,9 +14,9 @@ import pytest
 
 from tests.dagster_helpers import op_metadata
 from tests.helpers import add_stores
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import CrawlResource, QueueResource
-from tq_pipelines.resync import BACKFILL_CHECK, generate_resync_tasks_job, resync_progress_sensor
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.resync import BACKFILL_CHECK, generate_resync_tasks_job, resync_progress_sensor
+from tq_pipelines.queue.api import TaskQueue
 
 ROLE = "product_resync"
 TODAY = datetime.now(UTC).date()

@@ -26,10 +26,16 @@ from tests.helpers import (
     assert_store_state_consistent,
     status_counts,
 )
-from tq_pipelines.prune import PruneConfig, finished_runs_before, prune_job, prune_schedule, trim_dagster_runs
-from tq_pipelines.queue import PlatformLimits, TaskQueue
-from tq_pipelines.resources import QueueResource
-from tq_pipelines.retention import LIMITS, RetentionSettings, RetentionSettingsError, prune
+from tq_pipelines.defs.prune import (
+    PruneConfig,
+    finished_runs_before,
+    prune_job,
+    prune_schedule,
+    trim_dagster_runs,
+)
+from tq_pipelines.defs.resources import QueueResource
+from tq_pipelines.queue.api import PlatformLimits, TaskQueue
+from tq_pipelines.queue.retention import LIMITS, RetentionSettings, RetentionSettingsError, prune
 
 ROLE = "product_resync"
 REPO = Path(__file__).resolve().parents[2]

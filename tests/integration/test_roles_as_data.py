@@ -12,13 +12,13 @@ import pytest
 
 from tests.dagster_helpers import Webhook, failure_text, op_metadata
 from tests.helpers import add_stores, add_tasks, status_counts
-from tq_pipelines.alerts import AlertResource
-from tq_pipelines.jobs import drain_tasks_job
-from tq_pipelines.queue import Task
-from tq_pipelines.resources import CrawlResource, QueueResource
-from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor
-from tq_pipelines.sensors.queue import task_queue_sensor
-from tq_pipelines.worker import TaskContext
+from tq_pipelines.defs.alerting import AlertResource
+from tq_pipelines.defs.jobs import drain_tasks_job
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.sensors.alerts import HealthThresholds, queue_health_sensor
+from tq_pipelines.defs.sensors.queue import task_queue_sensor
+from tq_pipelines.queue.api import Task
+from tq_pipelines.queue.worker import TaskContext
 
 NEW_ROLE = "tq_test_echo"
 ORPHAN_ROLE = "tq_test_orphan"

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 import dagster as dg
 import psycopg
 
-from tq_pipelines.assets import HOURS_PER_BACKFILL_RUN, task_completion_log
-from tq_pipelines.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.rollup import HOURS_PER_BACKFILL_RUN, task_completion_log
 
 ROLE = "product_resync"
 START = datetime(2026, 6, 1, tzinfo=UTC)

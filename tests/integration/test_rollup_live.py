@@ -9,11 +9,14 @@ import psycopg
 import pytest
 
 from tests.helpers import add_stores, add_tasks
-from tq_pipelines.assets import task_completion_log, task_completion_log_job
-from tq_pipelines.partitions import FIRST_HOUR, hourly_partitions_def
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import CrawlResource, QueueResource
-from tq_pipelines.schedules import task_completion_log_current_hour_schedule, task_completion_log_schedule
+from tq_pipelines.defs.partitions import FIRST_HOUR, hourly_partitions_def
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.rollup import task_completion_log, task_completion_log_job
+from tq_pipelines.defs.schedules import (
+    task_completion_log_current_hour_schedule,
+    task_completion_log_schedule,
+)
+from tq_pipelines.queue.api import TaskQueue
 
 ROLE = "product_resync"
 

@@ -15,18 +15,18 @@ import psycopg
 import pytest
 
 from tests.helpers import add_stores, add_tasks
-from tq_pipelines.jobs import drain_tasks_job, drain_worker_id
-from tq_pipelines.queue import QueueInputError, TaskQueue
-from tq_pipelines.resources import QueueResource
-from tq_pipelines.sensors.queue import task_queue_sensor
+from tq_pipelines.defs.jobs import drain_tasks_job, drain_worker_id
+from tq_pipelines.defs.resources import QueueResource
+from tq_pipelines.defs.sensors.queue import task_queue_sensor
+from tq_pipelines.queue.api import QueueInputError, TaskQueue
 
 ROLE = "product_resync"
 ROOT = Path(__file__).resolve().parents[2]
 
 RUN_WORKER = """
 import sys, time
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.worker import Worker
+from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines.queue.worker import Worker
 url, worker_id = sys.argv[1:3]
 Worker(TaskQueue.connect(url, max_size=4), "product_resync", lambda task, ctx: time.sleep(600),
        worker_id=worker_id, concurrency=2, batch_size=2, heartbeat_seconds=1).run()

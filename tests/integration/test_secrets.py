@@ -25,16 +25,16 @@ from psycopg.conninfo import conninfo_to_dict
 
 from tests.dagster_helpers import Webhook, failure_text
 from tests.helpers import add_stores, add_tasks
-from tq_pipelines.alerts import Alert, AlertResource
 from tq_pipelines.crawl.http import GoneError, PoliteClient
 from tq_pipelines.db import DatabaseUnreachable, check_connection
 from tq_pipelines.db.schema import SchemaDumpError, choose_pg_dump, dump_database, find_pg_dumps
 from tq_pipelines.db.schema import main as schema_main
-from tq_pipelines.jobs import generate_resync_tasks_job
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import CrawlResource, QueueResource
-from tq_pipelines.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
-from tq_pipelines.worker import PermanentTaskError, TransientTaskError
+from tq_pipelines.defs.alerting import Alert, AlertResource
+from tq_pipelines.defs.jobs import generate_resync_tasks_job
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.sensors.alerts import HealthThresholds, queue_health_sensor, run_failure_alert_sensor
+from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines.queue.worker import PermanentTaskError, TransientTaskError
 
 ROLE = "product_resync"
 

@@ -9,8 +9,8 @@ import psycopg
 import pytest
 
 from tests.helpers import add_stores, add_tasks, assert_store_state_consistent, status_counts
-from tq_pipelines.queue import Task, TaskQueue
-from tq_pipelines.worker import PermanentTaskError, TaskContext, Worker
+from tq_pipelines.queue.api import Task, TaskQueue
+from tq_pipelines.queue.worker import PermanentTaskError, TaskContext, Worker
 
 ROLE = "product_resync"
 LOOSE = "analytics_refresh"  # tasks without a store

@@ -8,8 +8,8 @@ import psycopg
 import pytest
 
 from tests.helpers import add_stores, add_tasks, assert_store_state_consistent, status_counts
-from tq_pipelines.queue import MAX_TEXT_CHARS, PlatformLimits, Task, TaskQueue, storable_text
-from tq_pipelines.worker import PermanentTaskError, TaskContext, TransientTaskError, Worker
+from tq_pipelines.queue.api import MAX_TEXT_CHARS, PlatformLimits, Task, TaskQueue, storable_text
+from tq_pipelines.queue.worker import PermanentTaskError, TaskContext, TransientTaskError, Worker
 
 ROLE = "product_resync"
 MEGABYTE = "x" * 1_000_000

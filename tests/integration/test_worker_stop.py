@@ -10,8 +10,8 @@ import psycopg_pool
 import pytest
 
 from tests.helpers import add_stores, add_tasks, status_counts
-from tq_pipelines.queue import Task, TaskQueue
-from tq_pipelines.worker import LeaseLostError, TaskContext, Worker
+from tq_pipelines.queue.api import Task, TaskQueue
+from tq_pipelines.queue.worker import LeaseLostError, TaskContext, Worker
 
 ROLE = "product_resync"
 

@@ -29,7 +29,7 @@ from tq_pipelines.crawl.platforms import (
     load_platform_settings,
 )
 from tq_pipelines.handlers import BUILTIN, HandlerRegistryError, load_handlers, noop
-from tq_pipelines.worker import PermanentTaskError
+from tq_pipelines.queue.worker import PermanentTaskError
 
 
 def product(**fields: Any) -> dict[str, Any]:

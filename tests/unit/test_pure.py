@@ -7,8 +7,8 @@ from pydantic import ValidationError
 
 from tq_pipelines.db import sqlalchemy_url
 from tq_pipelines.db.queries import parse, queries
-from tq_pipelines.resources import QueueResource, QueueSettingsError
-from tq_pipelines.sensors.alerts import hours_to_next_resync
+from tq_pipelines.defs.resources import QueueResource, QueueSettingsError
+from tq_pipelines.defs.sensors.alerts import hours_to_next_resync
 
 
 def test_parse_splits_named_blocks_and_refuses_duplicates():
@@ -26,7 +26,7 @@ def test_every_query_the_package_calls_exists():
 
     import tq_pipelines.db as db_pkg
     import tq_pipelines.db.migrate as migrate_mod
-    import tq_pipelines.queue as queue_mod
+    import tq_pipelines.queue.api as queue_mod
 
     called = set()
     for module in (queue_mod, migrate_mod, db_pkg):

@@ -3,7 +3,7 @@ users, databases, a run's link, an HTTP error's path)."""
 
 import pytest
 
-from tq_pipelines.redact import MASK, redact_conninfo, redact_text, redact_url, secret_pieces
+from tq_pipelines.queue.redact import MASK, redact_conninfo, redact_text, redact_url, secret_pieces
 
 SECRET = "S3cr3t-7f1c2d"
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tq_pipelines.crawl.simulator import (
+from tq_pipelines_demo.simulator import (
     LOG_MAX,
     PlatformProfile,
     SimulatedPlatform,

@@ -1,2 +1,2 @@
-"""Crawling: platform adapters over polite HTTP, menu normalisation, the role handlers, and a
-menu simulator for the demo and the tests. Knows nothing of Dagster."""
+"""Crawling: platform adapters over polite HTTP, menu normalisation and the role handlers. Knows
+nothing of Dagster (the menu simulator the demo and the tests crawl is tq_pipelines_demo's)."""

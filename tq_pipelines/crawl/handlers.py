@@ -16,8 +16,8 @@ from tq_pipelines.crawl.http import GoneError
 from tq_pipelines.crawl.menu import menu_hash, normalise_menu
 from tq_pipelines.crawl.platforms import CrawlServices, EntryPoint, PlatformSettings
 from tq_pipelines.db.queries import query
-from tq_pipelines.queue import JSON, Task, TaskQueue
-from tq_pipelines.worker import PermanentTaskError, TaskContext
+from tq_pipelines.queue.api import JSON, Task, TaskQueue
+from tq_pipelines.queue.worker import PermanentTaskError, TaskContext
 
 
 def _services(ctx: TaskContext) -> CrawlServices:

@@ -3,7 +3,7 @@ classified.
 
 The limit that counts is the platform's, shared by every worker of the fleet: each request of a
 task (redirect hops included, whatever host they name) goes through the task's
-:class:`~tq_pipelines.worker.PlatformPermit`, which waits for the start PostgreSQL gives it and
+:class:`~tq_pipelines.queue.worker.PlatformPermit`, which waits for the start PostgreSQL gives it and
 defers the task while the platform is paused. Answers that speak of the platform (5xx, 429, a
 timeout, a refused connection) go to the platform's breaker; a task that meets a pause is given
 back, not failed.
@@ -24,9 +24,9 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
-from tq_pipelines.queue import MAX_DELAY_SECONDS
-from tq_pipelines.redact import redact_text
-from tq_pipelines.worker import (
+from tq_pipelines.queue.api import MAX_DELAY_SECONDS
+from tq_pipelines.queue.redact import redact_text
+from tq_pipelines.queue.worker import (
     DeferTask,
     PermanentTaskError,
     PlatformPermit,

@@ -10,7 +10,7 @@ import json
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any, TypedDict
 
-from tq_pipelines.worker import PermanentTaskError
+from tq_pipelines.queue.worker import PermanentTaskError
 
 MAX_PRODUCTS = 20_000
 MAX_PRICE = Decimal("99999999.99")  # numeric(10, 2)

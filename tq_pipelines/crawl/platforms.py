@@ -23,8 +23,8 @@ from urllib.parse import quote, urljoin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tq_pipelines.crawl.http import HostLimits, PoliteClient
-from tq_pipelines.queue import PlatformLimits, TaskQueue
-from tq_pipelines.worker import PermanentTaskError
+from tq_pipelines.queue.api import PlatformLimits, TaskQueue
+from tq_pipelines.queue.worker import PermanentTaskError
 
 
 class PlatformSettingsError(ValueError):

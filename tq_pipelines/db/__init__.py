@@ -9,7 +9,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tq_pipelines.db import embedded
 from tq_pipelines.db.queries import query
-from tq_pipelines.redact import redact_conninfo, redact_text
+from tq_pipelines.queue.redact import redact_conninfo, redact_text
 
 # Seconds a first connection may take before the database counts as unreachable.
 CONNECT_TIMEOUT_SECONDS = 5

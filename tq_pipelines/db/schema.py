@@ -26,7 +26,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tq_pipelines.db.migrate import load_migrations, migrate, pending_migrations
 from tq_pipelines.db.queries import query
-from tq_pipelines.redact import redact_conninfo, redact_text
+from tq_pipelines.queue.redact import redact_conninfo, redact_text
 
 # The sections of a snapshot; each is the named query ``catalog_<section>`` of sql/catalog.sql.
 CATALOG_SECTIONS = (

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 
 from tq_pipelines.crawl.handlers import HANDLERS
-from tq_pipelines.queue import JSON, Task
-from tq_pipelines.worker import Handler, TaskContext
+from tq_pipelines.queue.api import JSON, Task
+from tq_pipelines.queue.worker import Handler, TaskContext
 
 ENTRY_POINT_GROUP = "tq_pipelines.handlers"
 HOW_TO_PLUG_IN = (

@@ -11,9 +11,9 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from tq_pipelines.jobs import MAINTENANCE_TAGS, checked_op_config
-from tq_pipelines.resources import QueueResource
-from tq_pipelines.retention import (
+from tq_pipelines.defs.jobs import MAINTENANCE_TAGS, checked_op_config
+from tq_pipelines.defs.resources import QueueResource
+from tq_pipelines.queue.retention import (
     LIMITS,
     TABLES,
     PruneReport,
@@ -39,7 +39,7 @@ def _bounded(name: str, description: str) -> Any:
 
 
 class PruneConfig(dg.Config):
-    """The retention settings (tq_pipelines.retention.RetentionSettings), and Dagster's runs."""
+    """The retention settings (tq_pipelines.queue.retention.RetentionSettings), and Dagster's runs."""
 
     tasks_days: int = _bounded("tasks_days", "Completed, failed and cancelled tasks older than this go")
     completion_log_days: int = _bounded(

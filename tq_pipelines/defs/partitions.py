@@ -15,7 +15,7 @@ import dagster as dg
 import psycopg
 
 from tq_pipelines.db.queries import query
-from tq_pipelines.redact import redact_text
+from tq_pipelines.queue.redact import redact_text
 
 FALLBACK_FIRST_DAY = date(2026, 1, 1)
 # A load must not hang on a database that does not answer: the code server has a deadline.

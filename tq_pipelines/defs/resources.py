@@ -23,8 +23,8 @@ from tq_pipelines.crawl.platforms import (
     load_platform_settings,
 )
 from tq_pipelines.db import check_connection
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.redact import redact_text
+from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines.queue.redact import redact_text
 
 # A role's drain runs at once, from default_runs_per_role or a role_caps entry.
 MAX_RUNS_PER_ROLE = 64

@@ -19,8 +19,8 @@ import dagster as dg
 from psycopg.rows import dict_row
 
 from tq_pipelines.db.queries import query, sql_dir
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import QueueResource
+from tq_pipelines.defs.resources import QueueResource
+from tq_pipelines.queue.api import TaskQueue
 
 # Keys, groups and owners of every asset in the graph.
 PLATFORM_LIMITS = dg.AssetKey("platform_limits")

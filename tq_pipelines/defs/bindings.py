@@ -3,7 +3,7 @@
 
 import dagster as dg
 
-from tq_pipelines.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
 
 queue_resource = QueueResource(database_url=dg.EnvVar("TQ_DATABASE_URL"))
 crawl_resource = CrawlResource()

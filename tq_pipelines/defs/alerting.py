@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 import dagster as dg
 from pydantic import Field
 
-from tq_pipelines.redact import redact_text, redact_url
-from tq_pipelines.resources import settings_validator
+from tq_pipelines.defs.resources import settings_validator
+from tq_pipelines.queue.redact import redact_text, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class AlertResource(dg.ConfigurableResource):
         caller (a late thread sends nothing more, and what it still takes is not counted). A
         failure is logged, never raised: an alert must not fail the sensor that sends it.
 
-        What is logged and sent goes through :func:`~tq_pipelines.redact.redact_text`, the webhook
+        What is logged and sent goes through :func:`~tq_pipelines.queue.redact.redact_text`, the webhook
         URL and the Slack token counted as secrets: a failed delivery names the webhook by its
         host only (for Slack, Teams and Discord the path is the secret) and says why it failed,
         without a traceback (a URL error quotes the URL)."""

@@ -10,9 +10,9 @@ from typing import Any
 
 import dagster as dg
 
+from tq_pipelines.defs.jobs import DrainConfig, drain_tasks_job, drain_worker_id
+from tq_pipelines.defs.resources import QueueResource
 from tq_pipelines.handlers import load_handlers
-from tq_pipelines.jobs import DrainConfig, drain_tasks_job, drain_worker_id
-from tq_pipelines.resources import QueueResource
 
 FAILED = (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
 

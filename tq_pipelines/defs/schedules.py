@@ -1,18 +1,17 @@
 """Schedules. Every one is RUNNING by default: `make dev` shows a live system. The daily
-resync's is with its asset (tq_pipelines/resync.py)."""
+resync's is with its asset (tq_pipelines/defs/resync.py)."""
 
 from datetime import datetime, timedelta
 
 import dagster as dg
 
-from tq_pipelines.assets import task_completion_log_job
-from tq_pipelines.jobs import (
-    demo_crawl_job,
+from tq_pipelines.defs.jobs import (
     enqueue_analytics_refresh_job,
     enqueue_store_discovery_job,
     recover_stale_tasks_job,
 )
-from tq_pipelines.partitions import FIRST_HOUR, hourly_partitions_def
+from tq_pipelines.defs.partitions import FIRST_HOUR, hourly_partitions_def
+from tq_pipelines.defs.rollup import task_completion_log_job
 
 recover_stale_tasks_schedule = dg.ScheduleDefinition(
     name="recover_stale_tasks_schedule",
@@ -82,17 +81,6 @@ analytics_refresh_schedule = dg.ScheduleDefinition(
     name="analytics_refresh_schedule",
     job=enqueue_analytics_refresh_job,
     cron_schedule="*/15 * * * *",
-    execution_timezone="UTC",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-)
-
-
-# Demo only (`tq dev`, `tq demo`): a resync of every store every 10 minutes, so that the demo
-# fleet keeps crawling, retrying and failing over on its first day. Production resyncs daily.
-demo_crawl_schedule = dg.ScheduleDefinition(
-    name="demo_crawl_schedule",
-    job=demo_crawl_job,
-    cron_schedule="*/10 * * * *",
     execution_timezone="UTC",
     default_status=dg.DefaultScheduleStatus.RUNNING,
 )

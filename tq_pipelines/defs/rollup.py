@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 import dagster as dg
 from pydantic import Field
 
-from tq_pipelines.lineage import QUEUE, QUEUE_OWNERS, TASK_COMPLETION_LOG, WORKER_TASKS, table_reference
-from tq_pipelines.partitions import hourly_partitions_def
-from tq_pipelines.resources import QueueResource
+from tq_pipelines.defs.lineage import QUEUE, QUEUE_OWNERS, TASK_COMPLETION_LOG, WORKER_TASKS, table_reference
+from tq_pipelines.defs.partitions import hourly_partitions_def
+from tq_pipelines.defs.resources import QueueResource
 
 FAILURE_RATE_CHECK = "failure_rate_below_threshold"
 # Hours per run of a backfill: a day's hours take about a second to roll up, against a run's

@@ -21,13 +21,13 @@ import dagster as dg
 from psycopg.rows import dict_row
 from pydantic import Field
 
-from tq_pipelines.bindings import crawl_resource, queue_resource
 from tq_pipelines.crawl.platforms import sync_limits
 from tq_pipelines.db.queries import query
-from tq_pipelines.lineage import DISPENSARIES, POSTGRES, PRODUCT_RESYNC, QUEUE, QUEUE_OWNERS
-from tq_pipelines.partitions import resync_partitions_def
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.bindings import crawl_resource, queue_resource
+from tq_pipelines.defs.lineage import DISPENSARIES, POSTGRES, PRODUCT_RESYNC, QUEUE, QUEUE_OWNERS
+from tq_pipelines.defs.partitions import resync_partitions_def
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.queue.api import TaskQueue
 
 BACKFILL_CHECK = "backfill_finished"
 
@@ -260,7 +260,7 @@ _resync_job = dg.define_asset_job(
 )
 
 # Resolved here, so that it is a JobDefinition like the other jobs (execute_in_process, and
-# importable from tq_pipelines.jobs). A resolved job keeps its resources: the code location's.
+# importable from tq_pipelines.defs.jobs). A resolved job keeps its resources: the code location's.
 generate_resync_tasks_job = dg.Definitions(
     assets=[generate_resync_tasks],
     asset_checks=[backfill_finished],

@@ -24,7 +24,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from tq_pipelines.db.queries import query
-from tq_pipelines.queue import JSON, QueueInputError, Task, TaskQueue, WorkerSession, storable_text
+from tq_pipelines.queue.api import JSON, QueueInputError, Task, TaskQueue, WorkerSession, storable_text
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from tq_pipelines.crawl.handlers import enqueue_store_discovery
 from tq_pipelines.crawl.platforms import load_platform_settings, sync_limits
-from tq_pipelines.crawl.simulator import Simulator, demo_profiles
 from tq_pipelines.db.queries import query
-from tq_pipelines.queue import TaskQueue
+from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines_demo.simulator import Simulator, demo_profiles
 
 
 @dataclass

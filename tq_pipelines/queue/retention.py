@@ -20,7 +20,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from tq_pipelines.db.queries import query
-from tq_pipelines.queue import TaskQueue
+from tq_pipelines.queue.api import TaskQueue
 
 # In the order they are pruned: tasks first, as they may roll up an hour the rollup's own
 # horizon then removes.

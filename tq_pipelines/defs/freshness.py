@@ -8,11 +8,11 @@ import dagster as dg
 from psycopg.rows import dict_row
 from pydantic import Field
 
-from tq_pipelines.alerts import Alert
 from tq_pipelines.db.queries import query
-from tq_pipelines.lineage import CRAWL_OWNERS, DISPENSARIES, FLEET, PRODUCTS, STORE_FRESHNESS
-from tq_pipelines.queue import TaskQueue
-from tq_pipelines.resources import QueueResource
+from tq_pipelines.defs.alerting import Alert
+from tq_pipelines.defs.lineage import CRAWL_OWNERS, DISPENSARIES, FLEET, PRODUCTS, STORE_FRESHNESS
+from tq_pipelines.defs.resources import QueueResource
+from tq_pipelines.queue.api import TaskQueue
 
 # A daily resync spreads a platform's stores over the day in batches: a store is crawled again
 # within 24 hours, plus its batch's drain time. 26 hours leaves two for that.

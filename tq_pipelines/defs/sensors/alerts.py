@@ -10,16 +10,16 @@ from typing import Self
 import dagster as dg
 from pydantic import Field
 
-from tq_pipelines.alerts import Alert, AlertResource, Delivery, alert_id
-from tq_pipelines.freshness import (
+from tq_pipelines.defs.alerting import Alert, AlertResource, Delivery, alert_id
+from tq_pipelines.defs.freshness import (
     DEFAULT_FAILURE_RATE,
     DEFAULT_SLA_HOURS,
     DEFAULT_STALE_SHARE,
     MAX_SLA_HOURS,
     stale_store_problems,
 )
+from tq_pipelines.defs.resources import QueueResource, settings_validator
 from tq_pipelines.handlers import HOW_TO_PLUG_IN, HandlerRegistryError, load_handlers
-from tq_pipelines.resources import QueueResource, settings_validator
 
 # The delivery of one failed run's alert. Dagster handles up to 5 failed runs in a tick
 # (DAGSTER_RUN_STATUS_SENSOR_PROCESS_LIMIT): 5 times this stays under its 60 s limit on a tick.

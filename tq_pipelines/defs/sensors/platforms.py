@@ -9,8 +9,8 @@ from typing import Any
 import dagster as dg
 
 from tq_pipelines.crawl.platforms import sync_limits
-from tq_pipelines.lineage import CRAWL_OWNERS, FLEET, PLATFORM_LIMITS, POSTGRES, table_reference
-from tq_pipelines.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.lineage import CRAWL_OWNERS, FLEET, PLATFORM_LIMITS, POSTGRES, table_reference
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
 
 
 # An observable asset, not a bare spec: the UI shows its latest observation and offers "Observe"

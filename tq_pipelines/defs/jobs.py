@@ -9,11 +9,10 @@ from pydantic import Field, ValidationError
 
 from tq_pipelines.crawl.handlers import HTTP_ROLES, enqueue_store_discovery
 from tq_pipelines.crawl.platforms import sync_limits
-from tq_pipelines.demo import enqueue_demo_resyncs
+from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.resync import generate_resync_tasks_job  # noqa: F401 (importable from here too)
 from tq_pipelines.handlers import BUILTIN, HOW_TO_PLUG_IN, load_handlers
-from tq_pipelines.resources import CrawlResource, QueueResource
-from tq_pipelines.resync import generate_resync_tasks_job  # noqa: F401 (importable from here too)
-from tq_pipelines.worker import Worker
+from tq_pipelines.queue.worker import Worker
 
 # Run slots are shared through the instance's run queue (dagster.yaml): drain runs are capped by
 # their tq/kind tag below max_concurrent_runs, so the maintenance jobs always find a slot, and
@@ -280,16 +279,3 @@ def enqueue_analytics_refresh_task(context: dg.OpExecutionContext, tq: QueueReso
 @dg.job(executor_def=dg.in_process_executor, tags={"tq/kind": "analytics"})
 def enqueue_analytics_refresh_job() -> None:
     enqueue_analytics_refresh_task()
-
-
-@dg.op(out=dg.Out(dg.Nothing))
-def enqueue_demo_crawl(context: dg.OpExecutionContext, tq: QueueResource):
-    """Demo only: a product_resync for every crawlable store that has none pending or running."""
-    created = enqueue_demo_resyncs(tq.queue)
-    context.log.info("queued %s demo resyncs", created)
-    return dg.Output(None, metadata={"created": dg.MetadataValue.int(created)})
-
-
-@dg.job(executor_def=dg.in_process_executor, tags={"tq/kind": "demo"})
-def demo_crawl_job() -> None:
-    enqueue_demo_crawl()
