@@ -7,6 +7,7 @@ the data directory for reading, so keep the checkout outside ``/root``.
 
 import os
 import signal
+import subprocess
 import time
 import warnings
 from pathlib import Path
@@ -71,7 +72,9 @@ def start(pgdata: Path | None = None, *, stop_at_exit: bool = False) -> str:
             # yet (a stale postmaster.pid); only a real connection says it is ready.
             psycopg.connect(url, connect_timeout=3).close()
             return url
-        except (psycopg.OperationalError, OSError, AssertionError) as exc:
+        # pg_ctl gives up waiting after 10 s on a loaded machine while the server goes on
+        # starting: the next try finds it.
+        except (psycopg.OperationalError, OSError, AssertionError, subprocess.SubprocessError) as exc:
             last_error = exc
             pgs.PostgresServer._instances.pop(pgdata, None)
             time.sleep(0.5)
