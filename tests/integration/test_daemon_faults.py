@@ -303,7 +303,9 @@ def test_maintenance_starts_while_every_drain_slot_is_taken(daemon: Daemon, conn
         [dequeued] = daemon.instance.all_logs(run_id, of_type=dg.DagsterEventType.RUN_STARTING)
         waited[job] = dequeued.timestamp - record.create_timestamp.timestamp()
     print(f"queued to dequeued, beside 11 drain runs and one queued: {waited}")
-    # Each left the run queue at the coordinator's next dequeue (every 2 s; a loaded machine may
-    # stretch it), ahead of the drain run still queued, and its process then started.
-    assert max(waited.values()) < 8, waited
+    # Each left the run queue at the coordinator's next dequeues (every 2 s: 0.6 s and 2.0 s
+    # measured on a quiet machine, up to 11 s with two test suites and a benchmark beside it),
+    # ahead of the drain run still queued, which no drain slot frees: without the drain limit
+    # they would wait for a drain run to end (an hour).
+    assert max(waited.values()) < 30, waited
     assert len(daemon.runs("drain_tasks_job", [dg.DagsterRunStatus.QUEUED])) == 1

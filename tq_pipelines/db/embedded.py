@@ -62,7 +62,10 @@ def start(pgdata: Path | None = None, *, stop_at_exit: bool = False) -> str:
     pgdata = (pgdata or default_pgdata()).resolve()
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     last_error: Exception | None = None
-    for _ in range(30):
+    # A first start runs initdb, which a loaded machine takes its time over (its bootstrap
+    # backend writes the pid file pgserver reads too early): keep trying for two minutes.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         try:
             server = pgs.get_server(
                 pgdata, cleanup_mode="stop" if stop_at_exit else None, postgres_version=POSTGRES_MAJOR

@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 import dagster as dg
 from pydantic import Field
 
+from tq_pipelines.defs.freshness import DEFAULT_FAILURE_RATE
 from tq_pipelines.defs.lineage import QUEUE, QUEUE_OWNERS, TASK_COMPLETION_LOG, WORKER_TASKS, table_reference
 from tq_pipelines.defs.partitions import hourly_partitions_def
 from tq_pipelines.defs.resources import QueueResource
@@ -19,7 +20,10 @@ HOURS_PER_BACKFILL_RUN = 24
 
 class RollupConfig(dg.Config):
     failure_rate_threshold: float = Field(
-        default=0.2, ge=0, le=1, description="The check fails when failed / (completed + failed) passes this"
+        default=DEFAULT_FAILURE_RATE,
+        ge=0,
+        le=1,
+        description="The check fails when failed / (completed + failed) passes this",
     )
 
 
