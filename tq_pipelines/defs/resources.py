@@ -114,10 +114,12 @@ class QueueResource(dg.ConfigurableResource):
     drain_concurrency: int = Field(default=0, ge=0, le=256)
     # A drain run stays while its role has work coming, polling every drain_idle_poll_seconds
     # (the pickup latency while a run is live), and ends after drain_idle_exit_seconds with
-    # nothing claimed, or when its time budget is spent: few, long runs.
-    drain_time_budget_seconds: float = Field(default=3600, gt=0, le=86_400)
+    # nothing claimed (longer than the demo's and the schedules' gaps between arrivals), or when
+    # its time budget is spent (4 h: new code reaches the runs within it): few, long runs. An
+    # idle run costs about 0.1 CPU s a minute, 125 MB and two connections (docs/BENCHMARKS.md).
+    drain_time_budget_seconds: float = Field(default=14_400, gt=0, le=86_400)
     drain_idle_poll_seconds: float = Field(default=0.5, ge=0.05, le=60)
-    drain_idle_exit_seconds: float = Field(default=300, ge=0, le=86_400)
+    drain_idle_exit_seconds: float = Field(default=1800, ge=0, le=86_400)
 
     _queue: TaskQueue | None = PrivateAttr(default=None)
     _caps: dict[str, int] = PrivateAttr(default_factory=dict)

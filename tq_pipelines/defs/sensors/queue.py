@@ -25,6 +25,11 @@ IN_FLIGHT = QUEUED + RUNNING
 ENDED_LOOKBACK_SECONDS = 600
 
 
+# A drain run started this long ago has had time to claim: work still claimable beside it means
+# it is saturated.
+SETTLED_SECONDS = 15.0
+
+
 def _role_of(run: dg.DagsterRun) -> str | None:
     ops: Any = run.run_config.get("ops", {})
     return ops.get("drain_role_tasks", {}).get("config", {}).get("role") or run.tags.get("tq/role")
@@ -144,7 +149,15 @@ def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) ->
         ) - len(alive)
         if claimable:
             backlog.add(role)
-            if wanted <= 0 and role in backlog_before and not queued and len(alive) < caps[role]:
+            # Only runs that have been claiming for a while count as saturated: one still
+            # starting (its process importing, its first claim not made) is not.
+            settled = all(
+                r.dagster_run.status == dg.DagsterRunStatus.STARTED
+                and r.start_time is not None
+                and now - r.start_time > SETTLED_SECONDS
+                for r in alive
+            )
+            if wanted <= 0 and role in backlog_before and settled and len(alive) < caps[role]:
                 wanted = 1
                 line += ", live runs saturated: one more"
         status.append(line)
