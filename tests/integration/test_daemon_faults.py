@@ -308,4 +308,5 @@ def test_maintenance_starts_while_every_drain_slot_is_taken(daemon: Daemon, conn
     # ahead of the drain run still queued, which no drain slot frees: without the drain limit
     # they would wait for a drain run to end (an hour).
     assert max(waited.values()) < 30, waited
-    assert len(daemon.runs("drain_tasks_job", [dg.DagsterRunStatus.QUEUED])) == 1
+    # (drain runs still wait: no drain slot came free for them)
+    assert daemon.runs("drain_tasks_job", [dg.DagsterRunStatus.QUEUED])
