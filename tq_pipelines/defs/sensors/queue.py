@@ -153,8 +153,7 @@ def task_queue_sensor(context: dg.SensorEvaluationContext, tq: QueueResource) ->
             # starting (its process importing, its first claim not made) is not.
             settled = all(
                 r.dagster_run.status == dg.DagsterRunStatus.STARTED
-                and r.start_time is not None
-                and now - r.start_time > SETTLED_SECONDS
+                and (r.start_time is None or now - r.start_time > SETTLED_SECONDS)
                 for r in alive
             )
             if wanted <= 0 and role in backlog_before and settled and len(alive) < caps[role]:
