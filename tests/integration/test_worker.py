@@ -297,8 +297,9 @@ def test_an_idle_worker_stays_picks_up_new_work_and_ends_after_its_idle_limit(
         last = time.monotonic()
         thread.join(timeout=30)
         assert not thread.is_alive()
-        # It ended by its idle limit, not its time budget, and not at the first empty poll.
-        assert 2.0 <= time.monotonic() - last < 30
+        # It ended by its idle limit, not its time budget, and not at the first empty poll (its
+        # idle clock starts at its last claim, a little before this test saw the completion).
+        assert 1.5 <= time.monotonic() - last < 30
     finally:
         worker.stop()
         thread.join(timeout=30)
