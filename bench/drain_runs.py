@@ -231,7 +231,7 @@ def handle(task: Task, ctx: TaskContext) -> JSON:
         stores = [{"id": d, "name": d, "region": region} for d in listed(platform, region, demo_t)]
         with ctx.transaction() as cur:
             rows = cur.execute(
-                query("upsert_listed_stores"), {"platform": platform, "stores": Jsonb(stores)}
+                query("upsert_listed_stores"), {**ctx.lease_params(), "stores": Jsonb(stores)}
             ).fetchall()
             result: JSON = {"listed": len(rows), "new": sum(1 for r in rows if r["created"])}
             ctx.complete(cur, result)
@@ -245,7 +245,7 @@ def handle(task: Task, ctx: TaskContext) -> JSON:
     gone = gone_after(store["directory_id"] or f"{platform}-")
     if gone is not None and demo_t >= gone:
         with ctx.transaction() as cur:
-            cur.execute(query("mark_store_gone"), {"dispensary_id": store["id"], "platform": platform})
+            cur.execute(query("mark_store_gone"), ctx.lease_params())
         raise PermanentTaskError("store gone: HTTP 410")
     if task.role != "entry_point_discovery" and not store["crawl_enabled"]:
         return {"skipped": "crawl disabled"}
@@ -256,10 +256,11 @@ def handle(task: Task, ctx: TaskContext) -> JSON:
         cur.execute(
             query("save_entry_point"),
             {
-                "dispensary_id": store["id"],
-                "platform": platform,
+                **ctx.lease_params(),
                 "platform_id": f"pid-{store['directory_id']}",
-                "menu_url": f"http://{platform}.invalid/menu/{store['directory_id']}",
+                # A path under the platform's base URL: an absolute URL must name one of its
+                # hosts (0013), and the bench loads no platforms file.
+                "menu_url": f"/menu/{store['directory_id']}",
             },
         )
         cur.execute(

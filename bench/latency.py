@@ -19,6 +19,9 @@ summary of their EXPLAIN (ANALYZE, BUFFERS).
 Part 2: one claim + one completion of a product_resync task, --claims times, each on a fresh due
 task; first as loaded, then with --future pending tasks scheduled for tomorrow that come before the
 due ones in 074's claim order (created a day earlier, same priority, each on its own store).
+tq_pipelines claims with ``claim_tasks`` of 1 and completes with ``complete_task`` under the
+claim's lease token (0013); ``claim_task_074`` hands out no token, so its tasks, on either
+schema, are completed as 074's callers did, by an UPDATE fenced by the worker id.
 """
 
 import argparse
@@ -245,14 +248,15 @@ def setup(server: str) -> tuple[Bench, Bench, Bench]:
     v2 = Bench(
         "tq_pipelines",
         v2_url,
-        "SELECT id, scheduled_for FROM claim_task(%(role)s, %(worker_id)s)",
-        "SELECT complete_task(%(task_id)s, %(worker_id)s, NULL)",
+        "SELECT (c.task).id, (c.task).scheduled_for, c.lease FROM claim_tasks(%(role)s, %(worker_id)s, 1) c",
+        "SELECT complete_task(%(task_id)s, %(lease)s, NULL)",
     )
+    # claim_task_074 gives the task no lease token, which complete_task needs (0013).
     v2_074 = Bench(
         "074 SQL on the 0003 schema",
         v2_url,
         "SELECT id, scheduled_for FROM claim_task_074(%(role)s, %(worker_id)s)",
-        "SELECT complete_task(%(task_id)s, %(worker_id)s, NULL)",
+        COMPLETE_074,
     )
     orig = Bench(
         "original 074",
@@ -373,8 +377,9 @@ def claim_loop(bench: Bench, n: int, warmup: int) -> tuple[Timing, Timing]:
             row = conn.execute(bench.claim_sql, params).fetchone()
             claimed = time.perf_counter()
             assert row is not None and row[0] is not None, f"{bench.label}: nothing to claim after {i}"
-            task_id, scheduled_for = row
-            conn.execute(bench.complete_sql, {**params, "task_id": task_id})
+            task_id, scheduled_for, *lease = row  # the lease token: tq_pipelines' claim only
+            held = {"task_id": task_id, "lease": lease[0] if lease else None}
+            conn.execute(bench.complete_sql, {**params, **held})
             done = time.perf_counter()
             assert scheduled_for is None or scheduled_for <= datetime.now(UTC) + timedelta(seconds=5), (
                 f"{bench.label} claimed task {task_id}, scheduled for {scheduled_for}"
@@ -515,7 +520,7 @@ def main() -> None:
     for key, (_, old_query) in view_queries.items():
         print(f"| `{old_query}`, median / p95 | {results[(key, label)]} |")
     for phase, title in (("without", "no future tasks"), ("with", f"{future} future tasks ahead")):
-        print(f"| claim_task_074 + complete_task, {title}, median / p95 | {claim_cell(phase, label)} |")
+        print(f"| claim_task_074 + 074's completion, {title}, median / p95 | {claim_cell(phase, label)} |")
     print(f"| ratio with / without (median) | {ratio_cell(label)} |")
 
     print("\nEXPLAIN (ANALYZE, BUFFERS), one run each after the timed runs:\n")

@@ -119,7 +119,7 @@ def _worker(url: str, n: int, stop: Any, ready: Any, out: Any) -> None:
             tasks = queue.claim_many(ROLE, worker_id, CLAIM, start=True)
             samples.append((began, time.monotonic() - began, len(tasks)))
             if tasks:
-                queue.complete_many_json(worker_id, dict.fromkeys((t.id for t in tasks), "null"))
+                queue.complete_many_json(dict.fromkeys((t.lease for t in tasks), "null"))
             else:
                 time.sleep(0.01)
     out.put(samples)

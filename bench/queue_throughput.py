@@ -3,7 +3,7 @@
     python bench/queue_throughput.py [--url URL] [--workers 1,4,16] [--tasks 20000]
                                      [--without 0006 --repeat 7]
 
-Each worker is its own process with its own connection. Modes: ``single`` (claim_task,
+Each worker is its own process with its own connection. Modes: ``single`` (claim_tasks of 1,
 start_task, complete_task: three calls per task), ``batch`` (claim_tasks of --batch, start_tasks,
 complete_tasks: three calls per batch) and ``worker`` (the Worker loop that the drain runs use:
 claim_tasks with start, then complete_tasks: two calls and two row updates per task).
@@ -16,6 +16,10 @@ without that change; later migrations must not need it) and runs every case on b
 ``--repeat`` times, alternating which goes first, so that a change's cost is measured in one run
 on a machine whose speed drifts; the rows are the medians, and a last column gives now /
 without. The tasks' platform has no limits: this is the bare queue.
+
+``--without 0013`` (lease tokens) compares against the worker-id API that 0013 replaced: on the
+schema without it, the same TaskQueue and Worker code runs through :class:`WorkerIdQueue`, which
+sends each statement in its 0012 form (the worker id instead of the tasks' lease tokens).
 """
 
 import argparse
@@ -28,7 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -37,7 +43,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tq_pipelines.db.migrate import load_migrations, migrate
-from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines.queue.api import Task, TaskQueue, task_row
 from tq_pipelines.queue.worker import Worker
 
 ROLE = "product_resync"
@@ -85,12 +91,76 @@ def load(url: str, tasks: int, stores: int, layout: str) -> None:
         conn.execute("VACUUM ANALYZE worker_task_stores")
 
 
+# The worker-id API of 0012 and before (claim_tasks returning worker_tasks rows, every call on
+# a task fenced by the caller's worker id), as sql/queries.sql called it before 0013.
+WORKER_ID_SQL = {
+    name: sql.SQL(text)  # type: ignore[arg-type]  # constant text
+    for name, text in {
+        # A placeholder token, parsed per row as the real ones are: Task.lease works as with 0013.
+        "claim_tasks": "SELECT c.*, '00000000-0000-0000-0000-000000000000'::UUID AS lease_token"
+        " FROM claim_tasks(%(role)s, %(worker_id)s, %(max_tasks)s, %(start)s) c",
+        "start_task": "SELECT start_task(%(task_id)s, %(worker_id)s) AS ok",
+        "start_tasks": "SELECT start_tasks(%(worker_id)s, %(task_ids)s) AS ids",
+        "heartbeat_tasks": "SELECT heartbeat_tasks(%(worker_id)s, %(task_ids)s) AS ids",
+        "complete_task": "SELECT complete_task(%(task_id)s, %(worker_id)s, %(result)s) AS ok",
+        "complete_tasks": "SELECT complete_tasks(%(worker_id)s, %(task_ids)s, %(results)s::JSONB[]) AS ids",
+        "complete_tasks_timed": "SELECT complete_tasks_timed(%(worker_id)s, %(task_ids)s,"
+        " %(results)s::JSONB[], %(began)s::FLOAT8[], %(ended)s::FLOAT8[]) AS ids",
+        "fail_task": "SELECT fail_task(%(task_id)s, %(worker_id)s, %(error)s, %(retryable)s, %(retry_after)s)"
+        " AS status",
+        "defer_task": "SELECT defer_task(%(task_id)s, %(worker_id)s, %(delay)s) AS ok",
+    }.items()
+}
+
+
+class WorkerIdQueue(TaskQueue):
+    """TaskQueue on a schema without 0013: the same Python path (Task objects, their leases,
+    results serialised and sorted as always), each statement sent in its worker-id form, fenced
+    by the one worker id of this process instead of the lease tokens."""
+
+    worker_id = ""
+
+    def claim_many(self, role: str, worker_id: str, max_tasks: int, *, start: bool = False) -> list[Task]:
+        params = {"role": role, "worker_id": worker_id, "max_tasks": max_tasks, "start": start}
+        with self._cursor(task_row) as cur:
+            return cur.execute(WORKER_ID_SQL["claim_tasks"], params).fetchall()
+
+    def _one(self, name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+        statement = WORKER_ID_SQL.get(name)
+        if statement is None:  # not fenced by a worker (registrations, counts): unchanged
+            return super()._one(name, params)
+        assert self.worker_id, "WorkerIdQueue.worker_id not set"
+        args = {k: v for k, v in params.items() if k not in ("lease", "leases")}
+        args.setdefault("worker_id", self.worker_id)
+        with self._cursor() as cur:
+            row = cur.execute(statement, args).fetchone()
+        assert row is not None, name
+        return row
+
+
+def has_lease_tokens(url: str) -> bool:
+    """Whether the schema has 0013's API (else the worker-id one: :class:`WorkerIdQueue`)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT to_regprocedure('complete_tasks(integer[], uuid[], jsonb[])') IS NOT NULL"
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def open_queue(url: str, worker_id: str, lease_tokens: bool, **pool: int) -> TaskQueue:
+    if lease_tokens:
+        return TaskQueue.connect(url, **pool)
+    queue = WorkerIdQueue.connect(url, **pool)
+    queue.worker_id = worker_id
+    return queue
+
+
 def _single(queue: TaskQueue, worker_id: str) -> tuple[int, int]:
     done = claims = 0
     while (task := queue.claim(ROLE, worker_id)) is not None:
         claims += 1
-        queue.start(task.id, worker_id)
-        done += queue.complete(task.id, worker_id, None)
+        queue.start(task)
+        done += queue.complete(task, None)
     return done, claims + 1
 
 
@@ -98,15 +168,14 @@ def _batch(queue: TaskQueue, worker_id: str, batch: int) -> tuple[int, int]:
     done = claims = 0
     while tasks := queue.claim_many(ROLE, worker_id, batch):
         claims += 1
-        ids = [t.id for t in tasks]
-        queue.start_many(worker_id, ids)
-        done += len(queue.complete_many(worker_id, dict.fromkeys(ids)))
+        queue.start_many(tasks)
+        done += len(queue.complete_many(dict.fromkeys(t.lease for t in tasks)))
     return done, claims + 1
 
 
-def _worker(url: str, mode: str, batch: int, n: int, barrier, out) -> None:  # type: ignore[no-untyped-def]
-    with TaskQueue.connect(url, min_size=1, max_size=1) as queue:
-        worker_id = f"bench-{n}"
+def _worker(url: str, lease_tokens: bool, mode: str, batch: int, n: int, barrier, out) -> None:  # type: ignore[no-untyped-def]
+    worker_id = f"bench-{n}"
+    with open_queue(url, worker_id, lease_tokens, min_size=1, max_size=1) as queue:
         queue.claim_many("analytics_refresh", worker_id, 1)  # connect and warm the session
         barrier.wait()
         if mode == "single":
@@ -129,10 +198,14 @@ def _worker(url: str, mode: str, batch: int, n: int, barrier, out) -> None:  # t
 
 
 def run_queue(url: str, workers: int, mode: str, batch: int) -> tuple[int, int, float]:
+    lease_tokens = has_lease_tokens(url)
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(workers + 1)
     out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(url, mode, batch, n, barrier, out)) for n in range(workers)]
+    procs = [
+        ctx.Process(target=_worker, args=(url, lease_tokens, mode, batch, n, barrier, out))
+        for n in range(workers)
+    ]
     for p in procs:
         p.start()
     barrier.wait()

@@ -2,39 +2,41 @@
 -- thin call of a function from sql/migrations, so that the rules live in one place: the database.
 
 -- name: claim_tasks
-SELECT * FROM claim_tasks(%(role)s, %(worker_id)s, %(max_tasks)s, %(start)s);
+-- Each task with its lease token (0013), the proof every later call on it presents.
+SELECT (c.task).*, c.lease AS lease_token
+FROM claim_tasks(%(role)s, %(worker_id)s, %(max_tasks)s, %(start)s) c;
 
 -- name: start_task
-SELECT start_task(%(task_id)s, %(worker_id)s) AS ok;
+SELECT start_task(%(task_id)s, %(lease)s) AS ok;
 
 -- name: start_tasks
-SELECT start_tasks(%(worker_id)s, %(task_ids)s) AS ids;
+SELECT start_tasks(%(task_ids)s, %(leases)b::UUID[]) AS ids;
 
 -- name: heartbeat_tasks
-SELECT heartbeat_tasks(%(worker_id)s, %(task_ids)s) AS ids;
+SELECT heartbeat_tasks(%(worker_id)s, %(task_ids)s, %(leases)b::UUID[]) AS ids;
 
 -- name: complete_task
-SELECT complete_task(%(task_id)s, %(worker_id)s, %(result)s) AS ok;
+SELECT complete_task(%(task_id)s, %(lease)s, %(result)s) AS ok;
 
 -- name: complete_task_tx
-SELECT complete_task_tx(%(task_id)s, %(worker_id)s, %(result)s) AS ok;
+SELECT complete_task_tx(%(task_id)s, %(lease)s, %(result)s) AS ok;
 
 -- name: worker_completed
 SELECT worker_completed(%(worker_id)s, %(count)s);
 
 -- name: complete_tasks
-SELECT complete_tasks(%(worker_id)s, %(task_ids)s, %(results)s::JSONB[]) AS ids;
+SELECT complete_tasks(%(task_ids)s, %(leases)b::UUID[], %(results)s::JSONB[]) AS ids;
 
 -- name: complete_tasks_timed
 SELECT complete_tasks_timed(
-  %(worker_id)s, %(task_ids)s, %(results)s::JSONB[], %(began)s::FLOAT8[], %(ended)s::FLOAT8[]
+  %(task_ids)s, %(leases)b::UUID[], %(results)s::JSONB[], %(began)s::FLOAT8[], %(ended)s::FLOAT8[]
 ) AS ids;
 
 -- name: fail_task
-SELECT fail_task(%(task_id)s, %(worker_id)s, %(error)s, %(retryable)s, %(retry_after)s) AS status;
+SELECT fail_task(%(task_id)s, %(lease)s, %(error)s, %(retryable)s, %(retry_after)s) AS status;
 
 -- name: defer_task
-SELECT defer_task(%(task_id)s, %(worker_id)s, %(delay)s) AS ok;
+SELECT defer_task(%(task_id)s, %(lease)s, %(delay)s) AS ok;
 
 -- name: cancel_task
 SELECT cancel_task(%(task_id)s) AS ok;
@@ -223,24 +225,30 @@ LEFT JOIN (
 ORDER BY r.role;
 
 -- name: task_still_owned
--- Taken by a handler in the transaction that writes its results: one row while the worker owns
--- the task, locked until the commit (recovery waits for it); none when the lease is gone.
-SELECT owned FROM task_still_owned(%(task_id)s, %(worker_id)s);
+-- Taken by a handler in the transaction that writes its results: one row while the lease holds,
+-- locked until the commit (recovery waits for it); none when the lease is gone.
+SELECT owned FROM task_still_owned(%(task_id)s, %(lease)s);
 
 -- name: sync_platform_limits
 SELECT sync_platform_limits(%(limits)s) AS changed;
 
 -- name: platform_request
-SELECT decision, wait_seconds FROM platform_request(%(task_id)s, %(worker_id)s, %(first)s);
+SELECT decision, wait_seconds FROM platform_request(%(task_id)s, %(lease)s, %(first)s);
 
 -- name: platform_release
-SELECT platform_release(%(task_id)s, %(worker_id)s) AS released;
+SELECT platform_release(%(task_id)s, %(lease)s) AS released;
 
 -- name: platform_answered
-SELECT platform_answered(%(platform)s, %(task_id)s) AS closed;
+SELECT platform_answered(%(task_id)s, %(lease)s) AS closed;
 
 -- name: platform_error
-SELECT paused, wait_seconds FROM platform_error(%(platform)s, %(task_id)s, %(error)s, %(retry_after)s);
+SELECT paused, wait_seconds FROM platform_error(%(task_id)s, %(lease)s, %(error)s, %(retry_after)s);
+
+-- name: platform_pause
+SELECT platform_pause(%(platform)s, %(seconds)s::FLOAT8, %(reason)s) AS until;
+
+-- name: platform_resume
+SELECT platform_resume(%(platform)s) AS resumed;
 
 -- name: claim_wait
 SELECT claim_wait(%(role)s) AS wait;
@@ -263,7 +271,8 @@ ORDER BY l.platform;
 SELECT platform, counted, in_flight, probe_cleared FROM repair_platform_counters();
 
 -- name: upsert_listed_stores
-SELECT * FROM upsert_listed_stores(%(platform)s, %(stores)s);
+-- The handlers' writes name their task and its lease (0013): they act on its store or platform.
+SELECT * FROM upsert_listed_stores(%(task_id)s, %(lease)s, %(stores)s);
 
 -- name: store_entry_point
 SELECT d.id, d.name, d.menu_type, d.platform_dispensary_id, d.crawl_enabled,
@@ -274,14 +283,15 @@ WHERE d.id = %(dispensary_id)s;
 
 -- name: save_entry_point
 -- A store that resolves is not gone: crawling comes back on if it was marked gone (migration 0010).
-SELECT save_entry_point(%(dispensary_id)s, %(platform)s, %(platform_id)s, %(menu_url)s);
+-- Its menu URL stays on the platform's hosts (0013).
+SELECT save_entry_point(%(task_id)s, %(lease)s, %(platform_id)s, %(menu_url)s);
 
 -- name: mark_store_gone
 -- The platform says the store is gone: no more crawls until a listing names it again.
-SELECT mark_store_gone(%(dispensary_id)s, %(platform)s);
+SELECT mark_store_gone(%(task_id)s, %(lease)s);
 
 -- name: store_menu
-SELECT * FROM store_menu(%(dispensary_id)s, %(menu_hash)s, %(products)s);
+SELECT * FROM store_menu(%(task_id)s, %(lease)s, %(menu_hash)s, %(products)s);
 
 -- name: refresh_store_analytics
 SELECT * FROM refresh_store_analytics();

@@ -54,6 +54,7 @@ CREATE TABLE public.worker_tasks (
     due_at timestamp with time zone GENERATED ALWAYS AS (COALESCE(scheduled_for, created_at)) STORED,
     payload jsonb DEFAULT '{}'::jsonb NOT NULL,
     send_at timestamp with time zone,
+    lease_hash bytea,
     CONSTRAINT payload_is_object CHECK ((jsonb_typeof(payload) = 'object'::text)),
     CONSTRAINT valid_retries CHECK (((retry_count >= 0) AND (max_retries >= 0))),
     CONSTRAINT valid_status CHECK (((status)::text = ANY ((ARRAY['pending'::character varying, 'claimed'::character varying, 'running'::character varying, 'completed'::character varying, 'failed'::character varying, 'cancelled'::character varying])::text[])))
@@ -68,34 +69,17 @@ COMMENT ON TABLE public.worker_tasks IS 'Central task queue for all worker roles
 
 
 --
--- Name: claim_task(character varying, character varying); Type: FUNCTION; Schema: public; Owner: -
+-- Name: COLUMN worker_tasks.lease_hash; Type: COMMENT; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.claim_task(p_role character varying, p_worker_id character varying) RETURNS public.worker_tasks
-    LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'public', 'pg_temp'
-    AS $$
-DECLARE
-  v_task worker_tasks;
-BEGIN
-  SELECT * INTO v_task FROM claim_tasks(p_role, p_worker_id, 1, false);
-  RETURN v_task;
-END;
-$$;
-
-
---
--- Name: FUNCTION claim_task(p_role character varying, p_worker_id character varying); Type: COMMENT; Schema: public; Owner: -
---
-
-COMMENT ON FUNCTION public.claim_task(p_role character varying, p_worker_id character varying) IS 'Claim the best due task of a role; NULL when none';
+COMMENT ON COLUMN public.worker_tasks.lease_hash IS 'SHA-256 of the lease token the last claim handed out: a call on the task presents the token';
 
 
 --
 -- Name: claim_tasks(character varying, character varying, integer, boolean); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.claim_tasks(p_role character varying, p_worker_id character varying, p_max_tasks integer, p_start boolean DEFAULT false) RETURNS SETOF public.worker_tasks
+CREATE FUNCTION public.claim_tasks(p_role character varying, p_worker_id character varying, p_max_tasks integer, p_start boolean DEFAULT false) RETURNS TABLE(task public.worker_tasks, lease uuid)
     LANGUAGE plpgsql SECURITY DEFINER
     SET plan_cache_mode TO 'force_generic_plan'
     SET search_path TO 'public', 'pg_temp'
@@ -291,7 +275,9 @@ BEGIN
                                                           ORDER BY p.priority DESC, p.due_at, p.id) - 1)
                                       / l.requests_per_second
                                       - tq_platform_tolerance(l.burst, l.requests_per_second)))
-        END AS send_at
+        END AS send_at,
+        -- The lease: 122 random bits, shown to the claimer once and kept only as a hash.
+        gen_random_uuid() AS token
       FROM picked p
       LEFT JOIN tq_platforms l ON l.platform = p.platform
     ),
@@ -314,12 +300,16 @@ BEGIN
           completed_at = NULL,
           send_at = m.send_at,
           -- A fresh lease: a recovered task's old heartbeat must not count against its new owner.
-          last_heartbeat_at = now()
+          last_heartbeat_at = now(),
+          lease_hash = tq_lease_hash(m.token)
       FROM timed m
       WHERE t.id = m.id
-      RETURNING t.*
+      RETURNING t AS claimed_row, m.token
     )
-    SELECT * FROM claimed c ORDER BY c.send_at NULLS FIRST, c.priority DESC, c.due_at, c.id;
+    SELECT c.claimed_row, c.token
+    FROM claimed c
+    ORDER BY (c.claimed_row).send_at NULLS FIRST, (c.claimed_row).priority DESC, (c.claimed_row).due_at,
+             (c.claimed_row).id;
 
     GET DIAGNOSTICS v_claimed = ROW_COUNT;
     v_want := v_want - v_claimed;
@@ -345,7 +335,7 @@ $$;
 -- Name: FUNCTION claim_tasks(p_role character varying, p_worker_id character varying, p_max_tasks integer, p_start boolean); Type: COMMENT; Schema: public; Owner: -
 --
 
-COMMENT ON FUNCTION public.claim_tasks(p_role character varying, p_worker_id character varying, p_max_tasks integer, p_start boolean) IS 'Claim (and, with p_start, start) up to N due tasks of a role, at most one per store, within each platform''s limits';
+COMMENT ON FUNCTION public.claim_tasks(p_role character varying, p_worker_id character varying, p_max_tasks integer, p_start boolean) IS 'Claim (and, with p_start, start) up to N due tasks of a role, at most one per store, each with its lease token';
 
 
 --
@@ -382,28 +372,40 @@ $$;
 
 
 --
--- Name: complete_task(integer, character varying, jsonb); Type: FUNCTION; Schema: public; Owner: -
+-- Name: complete_task(integer, uuid, jsonb); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.complete_task(p_task_id integer, p_worker_id character varying, p_result jsonb) RETURNS boolean
+CREATE FUNCTION public.complete_task(p_task_id integer, p_lease uuid, p_result jsonb) RETURNS boolean
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
+DECLARE
+  v_worker VARCHAR;
 BEGIN
-  IF NOT complete_task_tx(p_task_id, p_worker_id, p_result) THEN
+  UPDATE worker_tasks
+  SET status = 'completed',
+      result = p_result,
+      error_message = NULL,
+      started_at = coalesce(started_at, claimed_at),
+      completed_at = now()
+  WHERE id = p_task_id
+    AND lease_hash = tq_lease_hash(p_lease)
+    AND status IN ('claimed', 'running')
+  RETURNING worker_id INTO v_worker;
+  IF NOT FOUND THEN
     RETURN false;
   END IF;
-  PERFORM worker_completed(p_worker_id, 1);
+  PERFORM worker_completed(v_worker, 1);
   RETURN true;
 END;
 $$;
 
 
 --
--- Name: complete_task_tx(integer, character varying, jsonb); Type: FUNCTION; Schema: public; Owner: -
+-- Name: complete_task_tx(integer, uuid, jsonb); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.complete_task_tx(p_task_id integer, p_worker_id character varying, p_result jsonb) RETURNS boolean
+CREATE FUNCTION public.complete_task_tx(p_task_id integer, p_lease uuid, p_result jsonb) RETURNS boolean
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
@@ -415,7 +417,7 @@ BEGIN
       started_at = coalesce(started_at, claimed_at),
       completed_at = now()
   WHERE id = p_task_id
-    AND worker_id = p_worker_id
+    AND lease_hash = tq_lease_hash(p_lease)
     AND status IN ('claimed', 'running');
   RETURN FOUND;
 END;
@@ -423,16 +425,16 @@ $$;
 
 
 --
--- Name: complete_tasks(character varying, integer[], jsonb[]); Type: FUNCTION; Schema: public; Owner: -
+-- Name: complete_tasks(integer[], uuid[], jsonb[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.complete_tasks(p_worker_id character varying, p_task_ids integer[], p_results jsonb[]) RETURNS integer[]
+CREATE FUNCTION public.complete_tasks(p_task_ids integer[], p_leases uuid[], p_results jsonb[]) RETURNS integer[]
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
   RETURN complete_tasks_timed(
-    p_worker_id, p_task_ids, p_results,
+    p_task_ids, p_leases, p_results,
     array_fill(NULL::DOUBLE PRECISION, ARRAY[coalesce(cardinality(p_task_ids), 0)]),
     array_fill(NULL::DOUBLE PRECISION, ARRAY[coalesce(cardinality(p_task_ids), 0)]));
 END;
@@ -440,16 +442,17 @@ $$;
 
 
 --
--- Name: complete_tasks_timed(character varying, integer[], jsonb[], double precision[], double precision[]); Type: FUNCTION; Schema: public; Owner: -
+-- Name: complete_tasks_timed(integer[], uuid[], jsonb[], double precision[], double precision[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.complete_tasks_timed(p_worker_id character varying, p_task_ids integer[], p_results jsonb[], p_began_after double precision[], p_ended_after double precision[]) RETURNS integer[]
+CREATE FUNCTION public.complete_tasks_timed(p_task_ids integer[], p_leases uuid[], p_results jsonb[], p_began_after double precision[], p_ended_after double precision[]) RETURNS integer[]
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_done INTEGER[];
 BEGIN
+  PERFORM tq_check_leases('complete_tasks_timed', p_task_ids, p_leases);
   IF cardinality(p_task_ids) IS DISTINCT FROM cardinality(p_results)
      OR cardinality(p_task_ids) IS DISTINCT FROM cardinality(p_began_after)
      OR cardinality(p_task_ids) IS DISTINCT FROM cardinality(p_ended_after) THEN
@@ -470,27 +473,30 @@ BEGIN
         completed_at = CASE
           WHEN r.ended IS NULL THEN now()
           ELSE least(t.claimed_at + make_interval(secs => greatest(r.ended, coalesce(r.began, 0), 0)), now()) END
-    FROM unnest(p_task_ids, p_results, p_began_after, p_ended_after) AS r (id, result, began, ended)
+    FROM unnest(p_task_ids, p_leases, p_results, p_began_after, p_ended_after) AS r (id, lease, result, began, ended)
     WHERE t.id = r.id
-      AND t.worker_id = p_worker_id
+      AND t.lease_hash = tq_lease_hash(r.lease)
       AND t.status IN ('claimed', 'running')
-    RETURNING t.id
+    RETURNING t.id, t.worker_id
+  ),
+  -- Each worker's count (a batch is one worker's), in the same statement.
+  counted AS (
+    UPDATE worker_registry w
+    SET tasks_completed = w.tasks_completed + c.n, last_heartbeat_at = now()
+    FROM (SELECT d.worker_id, count(*) AS n FROM done d GROUP BY d.worker_id) c
+    WHERE w.worker_id = c.worker_id
   )
-  SELECT coalesce(array_agg(id ORDER BY id), '{}') INTO v_done FROM done;
-
-  IF cardinality(v_done) > 0 THEN
-    PERFORM worker_completed(p_worker_id, cardinality(v_done));
-  END IF;
+  SELECT coalesce(array_agg(d.id ORDER BY d.id), '{}') INTO v_done FROM done d;
   RETURN v_done;
 END;
 $$;
 
 
 --
--- Name: defer_task(integer, character varying, interval); Type: FUNCTION; Schema: public; Owner: -
+-- Name: defer_task(integer, uuid, interval); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.defer_task(p_task_id integer, p_worker_id character varying, p_delay interval) RETURNS boolean
+CREATE FUNCTION public.defer_task(p_task_id integer, p_lease uuid, p_delay interval) RETURNS boolean
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
@@ -503,7 +509,7 @@ BEGIN
       started_at = NULL,
       last_heartbeat_at = NULL
   WHERE t.id = p_task_id
-    AND t.worker_id = p_worker_id
+    AND t.lease_hash = tq_lease_hash(p_lease)
     AND t.status IN ('claimed', 'running');
   RETURN FOUND;
 END;
@@ -519,10 +525,14 @@ CREATE FUNCTION public.deregister_worker(p_worker_id character varying) RETURNS 
     SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
-  UPDATE worker_registry
+  UPDATE worker_registry w
   SET status = 'offline', last_heartbeat_at = now()
-  WHERE worker_id = p_worker_id
-    AND status <> 'offline';
+  WHERE w.worker_id = p_worker_id
+    AND w.status <> 'offline'
+    AND coalesce(tq_session_pid(w), pg_backend_pid()) = pg_backend_pid()
+    AND (w.session_bound OR NOT EXISTS (
+           SELECT 1 FROM worker_tasks t
+           WHERE t.worker_id = p_worker_id AND t.status IN ('claimed', 'running')));
   RETURN FOUND;
 END;
 $$;
@@ -606,14 +616,27 @@ BEGIN
                         p_scheduled_for, NULL, p_payload);
   PERFORM pg_advisory_xact_lock(
     hashtext('tq:enqueue_once:' || p_role || ':' || coalesce(p_dispensary_id::TEXT, '-')));
-  IF EXISTS (
-    SELECT 1
-    FROM worker_tasks t
-    WHERE t.role = p_role
-      AND (t.dispensary_id = p_dispensary_id OR (p_dispensary_id IS NULL AND t.dispensary_id IS NULL))
-      AND t.payload = p_payload
-      AND t.status IN ('pending', 'claimed', 'running')
-  ) THEN
+  -- The same role, store and payload, pending, claimed or running: no new task. Each query's
+  -- conditions are those of a partial index, so that one plan serves every call.
+  IF p_dispensary_id IS NOT NULL THEN
+    IF EXISTS (
+         SELECT 1 FROM worker_tasks t  -- idx_worker_tasks_store_pending
+         WHERE t.dispensary_id = p_dispensary_id AND t.role = p_role AND t.payload = p_payload
+           AND t.status = 'pending' AND t.dispensary_id IS NOT NULL)
+       OR EXISTS (
+         SELECT 1 FROM worker_tasks t  -- idx_worker_tasks_unique_active_store
+         WHERE t.dispensary_id = p_dispensary_id AND t.role = p_role AND t.payload = p_payload
+           AND t.status IN ('claimed', 'running') AND t.dispensary_id IS NOT NULL) THEN
+      RETURN NULL;
+    END IF;
+  ELSIF EXISTS (
+          SELECT 1 FROM worker_tasks t  -- idx_worker_tasks_loose_pending_platform
+          WHERE t.role = p_role AND t.payload = p_payload
+            AND t.status = 'pending' AND t.dispensary_id IS NULL)
+        OR EXISTS (
+          SELECT 1 FROM worker_tasks t  -- idx_worker_tasks_loose_active
+          WHERE t.role = p_role AND t.payload = p_payload
+            AND t.status IN ('claimed', 'running') AND t.dispensary_id IS NULL) THEN
     RETURN NULL;
   END IF;
   INSERT INTO worker_tasks (role, dispensary_id, platform, priority, scheduled_for, payload)
@@ -690,22 +713,23 @@ $$;
 
 
 --
--- Name: fail_task(integer, character varying, text, boolean, interval); Type: FUNCTION; Schema: public; Owner: -
+-- Name: fail_task(integer, uuid, text, boolean, interval); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.fail_task(p_task_id integer, p_worker_id character varying, p_error text, p_retryable boolean DEFAULT true, p_retry_after interval DEFAULT NULL::interval) RETURNS text
+CREATE FUNCTION public.fail_task(p_task_id integer, p_lease uuid, p_error text, p_retryable boolean DEFAULT true, p_retry_after interval DEFAULT NULL::interval) RETURNS text
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_again BOOLEAN;
+  v_worker VARCHAR;
   v_status TEXT;
 BEGIN
-  SELECT coalesce(p_retryable, true) AND t.retry_count < t.max_retries
-  INTO v_again
+  SELECT coalesce(p_retryable, true) AND t.retry_count < t.max_retries, t.worker_id
+  INTO v_again, v_worker
   FROM worker_tasks t
   WHERE t.id = p_task_id
-    AND t.worker_id = p_worker_id
+    AND t.lease_hash = tq_lease_hash(p_lease)
     AND t.status IN ('claimed', 'running')
   FOR UPDATE;
   IF NOT FOUND THEN
@@ -738,7 +762,7 @@ BEGIN
 
   UPDATE worker_registry
   SET tasks_failed = tasks_failed + 1, last_heartbeat_at = now()
-  WHERE worker_id = p_worker_id;
+  WHERE worker_id = v_worker;
   RETURN v_status;
 END;
 $$;
@@ -841,94 +865,85 @@ COMMENT ON FUNCTION public.generate_resync_tasks(p_batches_per_day integer, p_da
 
 
 --
--- Name: heartbeat_tasks(character varying, integer[]); Type: FUNCTION; Schema: public; Owner: -
+-- Name: heartbeat_tasks(character varying, integer[], uuid[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.heartbeat_tasks(p_worker_id character varying, p_task_ids integer[]) RETURNS integer[]
+CREATE FUNCTION public.heartbeat_tasks(p_worker_id character varying, p_task_ids integer[], p_leases uuid[]) RETURNS integer[]
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_owned INTEGER[];
 BEGIN
-  WITH lockable AS (
+  PERFORM tq_check_leases('heartbeat_tasks', p_task_ids, p_leases);
+  WITH held AS (
     SELECT t.id
     FROM worker_tasks t
-    WHERE t.id = ANY (p_task_ids)
-      AND t.worker_id = p_worker_id
+    JOIN unnest(p_task_ids, p_leases) AS r (id, lease) ON r.id = t.id
+    WHERE t.lease_hash = tq_lease_hash(r.lease)
       AND t.status IN ('claimed', 'running')
+  ),
+  lockable AS (
+    SELECT t.id
+    FROM worker_tasks t
+    WHERE t.id IN (SELECT h.id FROM held h)
     ORDER BY t.id
     FOR NO KEY UPDATE SKIP LOCKED
   ),
+  -- The lease again here: a task recovered and claimed again between the read above and its
+  -- lock is another's, and the update's recheck of the newest row sees that.
   beaten AS (
     UPDATE worker_tasks t
     SET last_heartbeat_at = now()
-    FROM lockable l
+    FROM lockable l, unnest(p_task_ids, p_leases) AS r (id, lease)
     WHERE t.id = l.id
+      AND r.id = t.id
+      AND t.lease_hash = tq_lease_hash(r.lease)
+      AND t.status IN ('claimed', 'running')
     RETURNING t.id
   ),
+  -- Locked by a writer of their own (the handler's transaction): still held.
   busy AS (
-    SELECT t.id
-    FROM worker_tasks t
-    WHERE t.id = ANY (p_task_ids)
-      AND t.worker_id = p_worker_id
-      AND t.status IN ('claimed', 'running')
-      AND t.id NOT IN (SELECT l.id FROM lockable l)
+    SELECT h.id FROM held h WHERE h.id NOT IN (SELECT l.id FROM lockable l)
   )
   SELECT coalesce(array_agg(x.id ORDER BY x.id), '{}') INTO v_owned
   FROM (SELECT b.id FROM beaten b UNION ALL SELECT b.id FROM busy b) x;
 
+  -- The label's row notes a sign of life only from a caller that proved one lease (or held
+  -- none): forged tokens would otherwise keep a dead worker's row from going offline.
   UPDATE worker_registry
   SET last_heartbeat_at = now(),
       status = CASE WHEN cardinality(v_owned) > 0 THEN 'active' ELSE 'idle' END
-  WHERE worker_id = p_worker_id;
+  WHERE worker_id = p_worker_id
+    AND status <> 'offline'
+    AND (cardinality(v_owned) > 0 OR coalesce(cardinality(p_task_ids), 0) = 0);
   RETURN v_owned;
 END;
 $$;
 
 
 --
--- Name: mark_store_gone(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
+-- Name: mark_store_gone(integer, uuid); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.mark_store_gone(p_dispensary_id integer, p_platform character varying) RETURNS void
+CREATE FUNCTION public.mark_store_gone(p_task_id integer, p_lease uuid) RETURNS void
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
+DECLARE
+  t worker_tasks := tq_held_task('mark_store_gone', p_task_id, p_lease,
+                                 ARRAY['entry_point_discovery', 'product_discovery', 'product_resync']);
 BEGIN
-  IF NOT EXISTS (SELECT 1 FROM dispensaries d WHERE d.id = p_dispensary_id) THEN
-    RAISE EXCEPTION 'mark_store_gone: dispensary_id must be a store of dispensaries, got %',
-      coalesce(p_dispensary_id::TEXT, 'NULL')
-      USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'Give the id of the store the platform no longer has.';
-  END IF;
-  IF p_platform IS NULL OR btrim(p_platform) = '' OR length(p_platform) > 50 THEN
-    -- As tq_refuse words it (0008), raised here so that 0010 needs no other migration.
-    RAISE EXCEPTION 'mark_store_gone: platform %, got %',
-      CASE WHEN length(p_platform) > 50 THEN 'must be at most 50 characters' ELSE 'must not be empty' END,
-      CASE WHEN p_platform IS NULL THEN 'NULL'
-           WHEN length(p_platform) > 40
-             THEN quote_literal(left(p_platform, 40)) || format('... (%s characters)', length(p_platform))
-           ELSE quote_literal(p_platform) END
-      USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'The store''s platform: a name of 1 to 50 characters (dispensaries.menu_type).';
-  END IF;
-  WITH state AS (
-    INSERT INTO store_crawl_state (dispensary_id, platform, gone_at)
-    VALUES (p_dispensary_id, p_platform, now())
-    ON CONFLICT (dispensary_id) DO UPDATE SET gone_at = now()
-  )
-  UPDATE dispensaries SET crawl_enabled = false
-  WHERE id = p_dispensary_id;
+  PERFORM tq_mark_store_gone(t.dispensary_id, t.platform);
 END;
 $$;
 
 
 --
--- Name: platform_answered(character varying, integer); Type: FUNCTION; Schema: public; Owner: -
+-- Name: platform_answered(integer, uuid); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.platform_answered(p_platform character varying, p_task_id integer) RETURNS boolean
+CREATE FUNCTION public.platform_answered(p_task_id integer, p_lease uuid) RETURNS boolean
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
@@ -940,8 +955,12 @@ BEGIN
       probe_sent = false,
       error_streak = 0,
       updated_at = now()
-  WHERE p.platform = p_platform
-    AND p.probe_task_id = p_task_id
+  FROM worker_tasks t
+  WHERE t.id = p_task_id
+    AND t.lease_hash = tq_lease_hash(p_lease)
+    AND t.status IN ('claimed', 'running')
+    AND p.platform = t.platform
+    AND p.probe_task_id = t.id
     AND p.probe_sent;
   RETURN FOUND;
 END;
@@ -949,14 +968,15 @@ $$;
 
 
 --
--- Name: platform_error(character varying, integer, text, interval); Type: FUNCTION; Schema: public; Owner: -
+-- Name: platform_error(integer, uuid, text, interval); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.platform_error(p_platform character varying, p_task_id integer, p_error text, p_retry_after interval DEFAULT NULL::interval) RETURNS TABLE(paused boolean, wait_seconds double precision)
+CREATE FUNCTION public.platform_error(p_task_id integer, p_lease uuid, p_error text, p_retry_after interval DEFAULT NULL::interval) RETURNS TABLE(paused boolean, wait_seconds double precision)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
+  v_platform VARCHAR;
   l tq_platforms;
   v_error TEXT := left(coalesce(nullif(p_error, ''), 'unknown error'), 1000);
   -- NULL when the server said nothing (greatest and least would turn a NULL into a bound).
@@ -965,7 +985,16 @@ DECLARE
   END;
   v_for DOUBLE PRECISION;
 BEGIN
-  SELECT * INTO l FROM tq_platforms p WHERE p.platform = p_platform FOR UPDATE;
+  SELECT t.platform INTO v_platform
+  FROM worker_tasks t
+  WHERE t.id = p_task_id
+    AND t.lease_hash = tq_lease_hash(p_lease)
+    AND t.status IN ('claimed', 'running');
+  IF NOT FOUND THEN
+    RETURN QUERY SELECT false, 0::DOUBLE PRECISION;
+    RETURN;
+  END IF;
+  SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_platform FOR UPDATE;
   IF NOT FOUND THEN
     RETURN QUERY SELECT false, 0::DOUBLE PRECISION;
     RETURN;
@@ -974,7 +1003,7 @@ BEGIN
   IF l.paused_until > now() THEN
     UPDATE tq_platforms p
     SET errors_total = p.errors_total + 1, last_error = v_error, last_error_at = now(), updated_at = now()
-    WHERE p.platform = p_platform;
+    WHERE p.platform = v_platform;
     RETURN QUERY SELECT true, extract(EPOCH FROM l.paused_until - now())::DOUBLE PRECISION;
     RETURN;
   END IF;
@@ -988,7 +1017,7 @@ BEGIN
         last_error = v_error,
         last_error_at = now(),
         updated_at = now()
-    WHERE p.platform = p_platform;
+    WHERE p.platform = v_platform;
     RETURN QUERY SELECT false, 0::DOUBLE PRECISION;
     RETURN;
   END IF;
@@ -1010,17 +1039,51 @@ BEGIN
       last_error = v_error,
       last_error_at = now(),
       updated_at = now()
-  WHERE p.platform = p_platform;
+  WHERE p.platform = v_platform;
   RETURN QUERY SELECT true, v_for;
 END;
 $$;
 
 
 --
--- Name: platform_release(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
+-- Name: platform_pause(character varying, double precision, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.platform_release(p_task_id integer, p_worker_id character varying) RETURNS boolean
+CREATE FUNCTION public.platform_pause(p_platform character varying, p_seconds double precision, p_reason text) RETURNS timestamp with time zone
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+  v_until TIMESTAMPTZ;
+BEGIN
+  IF p_seconds IS NULL OR p_seconds NOT BETWEEN 1 AND 86400 THEN
+    PERFORM tq_refuse('platform_pause', 'seconds', coalesce(p_seconds::TEXT, 'NULL'), 'must be between 1 and 86400',
+      'How long the platform stays paused, in seconds: up to a day; resume it sooner with platform_resume.');
+  END IF;
+  UPDATE tq_platforms p
+  SET paused_until = now() + make_interval(secs => p_seconds),
+      pause_reason = left(coalesce(nullif(p_reason, ''), 'paused by hand'), 1000),
+      pauses = p.pauses + 1,
+      probe_task_id = NULL,
+      probe_sent = false,
+      error_streak = 0,
+      updated_at = now()
+  WHERE p.platform = p_platform
+  RETURNING p.paused_until INTO v_until;
+  IF NOT FOUND THEN
+    PERFORM tq_refuse('platform_pause', 'platform', tq_shown(p_platform), 'must be a platform with limits',
+      tq_known_platforms_hint());
+  END IF;
+  RETURN v_until;
+END;
+$$;
+
+
+--
+-- Name: platform_release(integer, uuid); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.platform_release(p_task_id integer, p_lease uuid) RETURNS boolean
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
@@ -1028,7 +1091,7 @@ BEGIN
   UPDATE worker_tasks t
   SET send_at = NULL
   WHERE t.id = p_task_id
-    AND t.worker_id = p_worker_id
+    AND t.lease_hash = tq_lease_hash(p_lease)
     AND t.status IN ('claimed', 'running')
     AND t.send_at IS NOT NULL;
   RETURN FOUND;
@@ -1037,10 +1100,10 @@ $$;
 
 
 --
--- Name: platform_request(integer, character varying, boolean); Type: FUNCTION; Schema: public; Owner: -
+-- Name: platform_request(integer, uuid, boolean); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.platform_request(p_task_id integer, p_worker_id character varying, p_first boolean) RETURNS TABLE(decision text, wait_seconds double precision)
+CREATE FUNCTION public.platform_request(p_task_id integer, p_lease uuid, p_first boolean) RETURNS TABLE(decision text, wait_seconds double precision)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
@@ -1054,7 +1117,7 @@ BEGIN
   SELECT t.platform, t.send_at INTO v_platform, v_send_at
   FROM worker_tasks t
   WHERE t.id = p_task_id
-    AND t.worker_id = p_worker_id
+    AND t.lease_hash = tq_lease_hash(p_lease)
     AND t.status IN ('claimed', 'running');
   IF NOT FOUND THEN
     RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION;
@@ -1100,6 +1163,32 @@ BEGIN
     v_decision,
     greatest(extract(EPOCH FROM v_base - now()) - tq_platform_tolerance(l.burst, l.requests_per_second), 0)
       ::DOUBLE PRECISION;
+END;
+$$;
+
+
+--
+-- Name: platform_resume(character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.platform_resume(p_platform character varying) RETURNS boolean
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+BEGIN
+  UPDATE tq_platforms p
+  SET paused_until = NULL,
+      pauses = 0,
+      probe_task_id = NULL,
+      probe_sent = false,
+      error_streak = 0,
+      updated_at = now()
+  WHERE p.platform = p_platform;
+  IF NOT FOUND THEN
+    PERFORM tq_refuse('platform_resume', 'platform', tq_shown(p_platform), 'must be a platform with limits',
+      tq_known_platforms_hint());
+  END IF;
+  RETURN true;
 END;
 $$;
 
@@ -1500,16 +1589,24 @@ $$;
 
 
 --
--- Name: register_worker(character varying, character varying, character varying, character varying); Type: FUNCTION; Schema: public; Owner: -
+-- Name: register_worker(character varying, character varying, character varying, character varying, double precision); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.register_worker(p_worker_id character varying, p_role character varying, p_pod_name character varying DEFAULT NULL::character varying, p_hostname character varying DEFAULT NULL::character varying) RETURNS void
+CREATE FUNCTION public.register_worker(p_worker_id character varying, p_role character varying, p_pod_name character varying DEFAULT NULL::character varying, p_hostname character varying DEFAULT NULL::character varying, p_heartbeat_seconds double precision DEFAULT NULL::double precision) RETURNS void
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
+DECLARE
+  w worker_registry;
+  v_pid INTEGER;
 BEGIN
   PERFORM tq_require_worker(p_worker_id);
   PERFORM tq_require_role(p_role);
+  IF p_heartbeat_seconds IS NOT NULL AND NOT (p_heartbeat_seconds > 0 AND p_heartbeat_seconds <= 3600) THEN
+    PERFORM tq_refuse('register_worker', 'heartbeat_seconds', p_heartbeat_seconds::TEXT,
+      'must be above 0 and at most 3600',
+      'The seconds between the worker''s heartbeats; its leases end after a few of them of silence.');
+  END IF;
   IF length(p_pod_name) > 100 THEN
     PERFORM tq_refuse('register_worker', 'pod_name', tq_shown(p_pod_name), 'must be at most 100 characters',
       'The pod the worker runs in, up to 100 characters (worker_registry.pod_name), or NULL.');
@@ -1518,35 +1615,41 @@ BEGIN
     PERFORM tq_refuse('register_worker', 'hostname', tq_shown(p_hostname), 'must be at most 100 characters',
       'The host the worker runs on, up to 100 characters (worker_registry.hostname), or NULL.');
   END IF;
-  INSERT INTO worker_registry AS w (worker_id, role, pod_name, hostname, started_at, last_heartbeat_at, status)
-  VALUES (p_worker_id, p_role, p_pod_name, p_hostname, now(), now(), 'active')
+
+  SELECT * INTO w FROM worker_registry r WHERE r.worker_id = p_worker_id FOR UPDATE;
+  IF FOUND THEN
+    v_pid := tq_session_pid(w);
+    IF v_pid IS DISTINCT FROM pg_backend_pid() AND (
+         v_pid IS NOT NULL
+         OR (NOT w.session_bound
+             AND w.status <> 'offline'
+             AND w.last_heartbeat_at > now() - make_interval(
+                   secs => greatest(10, 2.5 * coalesce(w.heartbeat_seconds, 30))))
+         -- A registration without a session that still holds tasks: taken over, its heartbeat
+         -- interval would decide when its tasks' leases end.
+         OR (NOT w.session_bound AND EXISTS (
+               SELECT 1 FROM worker_tasks t
+               WHERE t.worker_id = p_worker_id AND t.status IN ('claimed', 'running'))))
+    THEN
+      RAISE EXCEPTION 'register_worker: worker % is registered and alive', tq_shown(p_worker_id)
+        USING ERRCODE = '55P03',
+              DETAIL = CASE WHEN v_pid IS NOT NULL THEN 'Its session is held by another connection.'
+                            ELSE 'It heartbeat within its lease, or holds tasks.' END,
+              HINT = 'Worker ids name one live worker; give this one its own (default_worker_id).';
+    END IF;
+  END IF;
+
+  INSERT INTO worker_registry AS r (
+    worker_id, role, pod_name, hostname, started_at, last_heartbeat_at, status, heartbeat_seconds)
+  VALUES (p_worker_id, p_role, p_pod_name, p_hostname, now(), now(), 'active', p_heartbeat_seconds)
   ON CONFLICT (worker_id) DO UPDATE
   SET role = excluded.role,
       pod_name = excluded.pod_name,
       hostname = excluded.hostname,
       started_at = now(),
       last_heartbeat_at = now(),
-      status = 'active';
-END;
-$$;
-
-
---
--- Name: register_worker(character varying, character varying, character varying, character varying, double precision); Type: FUNCTION; Schema: public; Owner: -
---
-
-CREATE FUNCTION public.register_worker(p_worker_id character varying, p_role character varying, p_pod_name character varying, p_hostname character varying, p_heartbeat_seconds double precision) RETURNS void
-    LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'public', 'pg_temp'
-    AS $$
-BEGIN
-  IF p_heartbeat_seconds IS NULL OR p_heartbeat_seconds <= 0 OR p_heartbeat_seconds > 3600 THEN
-    PERFORM tq_refuse('register_worker', 'heartbeat_seconds', p_heartbeat_seconds::TEXT,
-      'must be above 0 and at most 3600',
-      'The seconds between the worker''s heartbeats; its leases end after a few of them of silence.');
-  END IF;
-  PERFORM register_worker(p_worker_id, p_role, p_pod_name, p_hostname);
-  UPDATE worker_registry SET heartbeat_seconds = p_heartbeat_seconds WHERE worker_id = p_worker_id;
+      status = 'active',
+      heartbeat_seconds = excluded.heartbeat_seconds;
 END;
 $$;
 
@@ -1696,53 +1799,37 @@ $$;
 
 
 --
--- Name: save_entry_point(integer, character varying, text, text); Type: FUNCTION; Schema: public; Owner: -
+-- Name: save_entry_point(integer, uuid, text, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.save_entry_point(p_dispensary_id integer, p_platform character varying, p_platform_id text, p_menu_url text) RETURNS void
+CREATE FUNCTION public.save_entry_point(p_task_id integer, p_lease uuid, p_platform_id text, p_menu_url text) RETURNS void
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
+DECLARE
+  t worker_tasks := tq_held_task('save_entry_point', p_task_id, p_lease, ARRAY['entry_point_discovery']);
+  v_hosts TEXT[];
 BEGIN
-  IF NOT EXISTS (SELECT 1 FROM dispensaries d WHERE d.id = p_dispensary_id) THEN
-    RAISE EXCEPTION 'save_entry_point: dispensary_id must be a store of dispensaries, got %',
-      coalesce(p_dispensary_id::TEXT, 'NULL')
-      USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'Give the id of the store whose entry point was resolved.';
+  IF p_menu_url IS NOT NULL THEN
+    SELECT l.hosts INTO v_hosts FROM tq_platforms l WHERE l.platform = t.platform;
+    IF NOT tq_url_allowed(p_menu_url, v_hosts) THEN
+      RAISE EXCEPTION 'save_entry_point: menu_url % is not on the hosts of platform % (%)',
+        tq_url_shown(p_menu_url), quote_literal(t.platform), coalesce(array_to_string(v_hosts, ', '), 'none loaded')
+        USING ERRCODE = 'invalid_parameter_value',
+              HINT = 'A menu URL is a path under the platform''s base URL, or http(s) on a host of its hosts '
+                     '(the platforms file''s hosts, default the base URL''s host), with no user info.';
+    END IF;
   END IF;
-  IF p_platform IS NULL OR btrim(p_platform) = '' OR length(p_platform) > 50 THEN
-    -- As tq_refuse words it (0008), raised here so that 0010 needs no other migration.
-    RAISE EXCEPTION 'save_entry_point: platform %, got %',
-      CASE WHEN length(p_platform) > 50 THEN 'must be at most 50 characters' ELSE 'must not be empty' END,
-      CASE WHEN p_platform IS NULL THEN 'NULL'
-           WHEN length(p_platform) > 40
-             THEN quote_literal(left(p_platform, 40)) || format('... (%s characters)', length(p_platform))
-           ELSE quote_literal(p_platform) END
-      USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'The store''s platform: a name of 1 to 50 characters (dispensaries.menu_type).';
-  END IF;
-  WITH old AS (
-    SELECT c.gone_at FROM store_crawl_state c WHERE c.dispensary_id = p_dispensary_id
-  ),
-  state AS (
-    INSERT INTO store_crawl_state (dispensary_id, platform, menu_url, resolved_at)
-    VALUES (p_dispensary_id, p_platform, p_menu_url, now())
-    ON CONFLICT (dispensary_id) DO UPDATE
-    SET menu_url = excluded.menu_url, resolved_at = now(), gone_at = NULL
-  )
-  UPDATE dispensaries
-  SET platform_dispensary_id = p_platform_id,
-      crawl_enabled = crawl_enabled OR EXISTS (SELECT 1 FROM old WHERE old.gone_at IS NOT NULL)
-  WHERE id = p_dispensary_id;
+  PERFORM tq_save_entry_point(t.dispensary_id, t.platform, p_platform_id, p_menu_url);
 END;
 $$;
 
 
 --
--- Name: start_task(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
+-- Name: start_task(integer, uuid); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.start_task(p_task_id integer, p_worker_id character varying) RETURNS boolean
+CREATE FUNCTION public.start_task(p_task_id integer, p_lease uuid) RETURNS boolean
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
@@ -1752,7 +1839,7 @@ BEGIN
       started_at = coalesce(started_at, now()),
       last_heartbeat_at = now()
   WHERE id = p_task_id
-    AND worker_id = p_worker_id
+    AND lease_hash = tq_lease_hash(p_lease)
     AND status IN ('claimed', 'running');
   RETURN FOUND;
 END;
@@ -1760,25 +1847,27 @@ $$;
 
 
 --
--- Name: start_tasks(character varying, integer[]); Type: FUNCTION; Schema: public; Owner: -
+-- Name: start_tasks(integer[], uuid[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.start_tasks(p_worker_id character varying, p_task_ids integer[]) RETURNS integer[]
+CREATE FUNCTION public.start_tasks(p_task_ids integer[], p_leases uuid[]) RETURNS integer[]
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_started INTEGER[];
 BEGIN
+  PERFORM tq_check_leases('start_tasks', p_task_ids, p_leases);
   WITH started AS (
-    UPDATE worker_tasks
+    UPDATE worker_tasks t
     SET status = 'running',
-        started_at = coalesce(started_at, now()),
+        started_at = coalesce(t.started_at, now()),
         last_heartbeat_at = now()
-    WHERE id = ANY (p_task_ids)
-      AND worker_id = p_worker_id
-      AND status IN ('claimed', 'running')
-    RETURNING id
+    FROM unnest(p_task_ids, p_leases) AS r (id, lease)
+    WHERE t.id = r.id
+      AND t.lease_hash = tq_lease_hash(r.lease)
+      AND t.status IN ('claimed', 'running')
+    RETURNING t.id
   )
   SELECT coalesce(array_agg(id ORDER BY id), '{}') INTO v_started FROM started;
   RETURN v_started;
@@ -1787,168 +1876,17 @@ $$;
 
 
 --
--- Name: store_menu(integer, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
+-- Name: store_menu(integer, uuid, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.store_menu(p_dispensary_id integer, p_menu_hash text, p_products jsonb) RETURNS TABLE(unchanged boolean, seen integer, new integer, changed integer, gone integer)
+CREATE FUNCTION public.store_menu(p_task_id integer, p_lease uuid, p_menu_hash text, p_products jsonb) RETURNS TABLE(unchanged boolean, seen integer, new integer, changed integer, gone integer)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
-  v_hash TEXT;
-  v_bad RECORD;
-  v_hint TEXT := 'products: a JSON array of {"id", "name", "category": text, "brand": text or null, '
-    '"price": a number from 0 to 99999999.99, "thc", "cbd": null or a number from 0 to 100, '
-    '"in_stock": true or false}, each id once (tq_pipelines.crawl.menu.normalise_menu makes them).';
+  t worker_tasks := tq_held_task('store_menu', p_task_id, p_lease, ARRAY['product_discovery', 'product_resync']);
 BEGIN
-  INSERT INTO store_crawl_state (dispensary_id, platform)
-  SELECT d.id, d.menu_type FROM dispensaries d WHERE d.id = p_dispensary_id
-  ON CONFLICT ON CONSTRAINT store_crawl_state_pkey DO NOTHING;
-  -- Serialises writers of one store (the queue already runs one task per store at a time).
-  SELECT c.menu_hash INTO v_hash
-  FROM store_crawl_state c
-  WHERE c.dispensary_id = p_dispensary_id
-  FOR UPDATE;
-  IF NOT FOUND THEN
-    RAISE EXCEPTION 'store_menu: dispensary_id must be the id of a store: no store with id %',
-      coalesce(p_dispensary_id::TEXT, 'NULL')
-      USING ERRCODE = 'invalid_parameter_value', HINT = 'Give a dispensaries.id.';
-  END IF;
-
-  IF p_menu_hash IS NULL OR p_menu_hash = '' THEN
-    PERFORM tq_refuse('store_menu', 'menu_hash', tq_shown(p_menu_hash), 'must not be empty',
-      'The hash of the normalised menu (tq_pipelines.crawl.menu.menu_hash): an unchanged menu is skipped by it.');
-  END IF;
-  IF p_products IS NULL OR jsonb_typeof(p_products) <> 'array' THEN
-    PERFORM tq_refuse('store_menu', 'products', tq_shown(p_products::TEXT), 'must be a JSON array', v_hint);
-  END IF;
-  -- The first product the tables would refuse (NOT NULL, numeric(10, 2), a price below 0), by
-  -- its place and id, before anything is written.
-  SELECT x.n - 1 AS n, x.p ->> 'id' AS id, p.problem
-  INTO v_bad
-  FROM jsonb_array_elements(p_products) WITH ORDINALITY AS x (p, n)
-  CROSS JOIN LATERAL (SELECT CASE
-    WHEN jsonb_typeof(x.p) <> 'object' THEN 'is not a JSON object'
-    WHEN NOT tq_json_text(x.p -> 'id') THEN 'has no id'
-    WHEN NOT tq_json_text(x.p -> 'name') THEN 'has no name'
-    WHEN NOT tq_json_text(x.p -> 'category') THEN 'has no category'
-    WHEN jsonb_typeof(x.p -> 'brand') <> 'null' AND NOT tq_json_text(x.p -> 'brand')
-      THEN 'has a brand that is not text'
-    WHEN NOT tq_json_number_between(x.p -> 'price', 0, 99999999.99)
-      THEN format('has price %s', coalesce(x.p ->> 'price', 'missing'))
-    WHEN jsonb_typeof(x.p -> 'thc') <> 'null' AND NOT tq_json_number_between(x.p -> 'thc', 0, 100)
-      THEN format('has thc %s', x.p ->> 'thc')
-    WHEN jsonb_typeof(x.p -> 'cbd') <> 'null' AND NOT tq_json_number_between(x.p -> 'cbd', 0, 100)
-      THEN format('has cbd %s', x.p ->> 'cbd')
-    WHEN jsonb_typeof(x.p -> 'in_stock') IS DISTINCT FROM 'boolean'
-      THEN format('has in_stock %s', coalesce(x.p ->> 'in_stock', 'missing'))
-  END) AS p (problem)
-  WHERE p.problem IS NOT NULL
-  ORDER BY x.n
-  LIMIT 1;
-  IF FOUND THEN
-    RAISE EXCEPTION 'store_menu: every product needs an id, a name, a category, a price and in_stock: '
-      'product #% (id %) %', v_bad.n, tq_shown(v_bad.id), v_bad.problem
-      USING ERRCODE = 'invalid_parameter_value', HINT = v_hint;
-  END IF;
-  IF EXISTS (
-    SELECT 1
-    FROM jsonb_to_recordset(p_products) AS x (id TEXT)
-    GROUP BY x.id
-    HAVING x.id IS NULL OR count(*) > 1
-  ) THEN
-    RAISE EXCEPTION 'store_menu: every product needs an id, and each id once: %', (
-        SELECT string_agg(tq_shown(x.id), ', ' ORDER BY x.id)
-        FROM (SELECT y.id FROM jsonb_to_recordset(p_products) AS y (id TEXT) GROUP BY y.id HAVING count(*) > 1) x
-      )
-      USING ERRCODE = 'invalid_parameter_value', HINT = v_hint;
-  END IF;
-
-  seen := jsonb_array_length(p_products);
-  IF v_hash IS NOT DISTINCT FROM p_menu_hash THEN
-    UPDATE store_crawl_state c SET last_crawl_at = now() WHERE c.dispensary_id = p_dispensary_id;
-    unchanged := true; new := 0; changed := 0; gone := 0;
-    RETURN NEXT;
-    RETURN;
-  END IF;
-
-  WITH incoming AS (
-    SELECT *
-    FROM jsonb_to_recordset(p_products) AS x (
-      id TEXT, name TEXT, brand TEXT, category TEXT, price NUMERIC, thc NUMERIC, cbd NUMERIC, in_stock BOOLEAN)
-  ),
-  old AS (
-    SELECT p.* FROM products p WHERE p.dispensary_id = p_dispensary_id
-  ),
-  diff AS (
-    SELECT
-      i.*,
-      o.price AS old_price,
-      o.in_stock AS old_in_stock,
-      CASE
-        WHEN o.id IS NULL THEN 'new'
-        WHEN o.gone_at IS NOT NULL THEN 'back'
-        WHEN (o.price, o.in_stock) IS DISTINCT FROM (i.price, i.in_stock) THEN 'changed'
-      END AS change
-    FROM incoming i
-    LEFT JOIN old o ON o.external_id = i.id
-  ),
-  upserted AS (
-    INSERT INTO products AS p (
-      dispensary_id, external_id, name, brand, category, price, thc_percent, cbd_percent, in_stock)
-    SELECT p_dispensary_id, d.id, d.name, d.brand, d.category, d.price, d.thc, d.cbd, d.in_stock
-    FROM diff d
-    ORDER BY d.id
-    ON CONFLICT (dispensary_id, external_id) DO UPDATE
-    SET name = excluded.name,
-        brand = excluded.brand,
-        category = excluded.category,
-        price = excluded.price,
-        thc_percent = excluded.thc_percent,
-        cbd_percent = excluded.cbd_percent,
-        in_stock = excluded.in_stock,
-        last_seen_at = now(),
-        changed_at = CASE
-          WHEN p.gone_at IS NOT NULL OR (p.price, p.in_stock) IS DISTINCT FROM (excluded.price, excluded.in_stock)
-          THEN now() ELSE p.changed_at END,
-        gone_at = NULL
-    RETURNING p.id, p.external_id
-  ),
-  history AS (
-    INSERT INTO product_history (product_id, dispensary_id, change, price, old_price, in_stock, old_in_stock)
-    SELECT u.id, p_dispensary_id, d.change, d.price, d.old_price, d.in_stock, d.old_in_stock
-    FROM upserted u
-    JOIN diff d ON d.id = u.external_id
-    WHERE d.change IS NOT NULL
-  ),
-  vanished AS (
-    UPDATE products p
-    SET gone_at = now(), changed_at = now()
-    FROM old o
-    WHERE p.id = o.id
-      AND o.gone_at IS NULL
-      AND NOT EXISTS (SELECT 1 FROM incoming i WHERE i.id = o.external_id)
-    RETURNING p.id, p.price, p.in_stock
-  ),
-  vanished_history AS (
-    INSERT INTO product_history (product_id, dispensary_id, change, old_price, old_in_stock)
-    SELECT v.id, p_dispensary_id, 'gone', v.price, v.in_stock
-    FROM vanished v
-  )
-  SELECT
-    count(*) FILTER (WHERE d.change = 'new'),
-    count(*) FILTER (WHERE d.change IN ('changed', 'back')),
-    (SELECT count(*) FROM vanished)
-  INTO new, changed, gone
-  FROM diff d;
-
-  UPDATE store_crawl_state c
-  SET menu_hash = p_menu_hash,
-      last_crawl_at = now(),
-      last_change_at = CASE WHEN new + changed + gone > 0 OR c.menu_hash IS NULL THEN now() ELSE c.last_change_at END
-  WHERE c.dispensary_id = p_dispensary_id;
-  unchanged := false;
-  RETURN NEXT;
+  RETURN QUERY SELECT * FROM tq_store_menu(t.dispensary_id, p_menu_hash, p_products);
 END;
 $$;
 
@@ -1960,156 +1898,91 @@ $$;
 CREATE FUNCTION public.sync_platform_limits(p_limits jsonb) RETURNS integer
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
-    AS $$
+    AS $_$
 DECLARE
+  v_bad RECORD;
   v_changed INTEGER;
-  v_total BIGINT;
-  v_bad TEXT;
-  v_field RECORD;
-  v_hint TEXT := 'Each platform: {"platform": a name of 1 to 50 characters, "max_in_flight": 1 to 10000, '
-    '"requests_per_second": 0.001 to 10000, "burst": 1 to 10000 (default max_in_flight), '
-    '"pause_after_errors": 1 to 1000 (default 5), "pause_seconds": 0.1 to 86400 (default 5), '
-    '"max_pause_seconds": pause_seconds to 86400 (default 600)}; counts are whole numbers.';
 BEGIN
-  -- The count first: a list of 20,000 is refused before it is read element by element.
-  IF jsonb_typeof(p_limits) = 'array' AND jsonb_array_length(p_limits) > 1000 THEN
-    PERFORM tq_refuse('sync_platform_limits', 'limits', format('%s platforms', jsonb_array_length(p_limits)),
-      'must list at most 1000 platforms',
-      'A platforms file names the platforms a fleet crawls: a few, never more than 1000.');
+  IF jsonb_typeof(p_limits) = 'array' THEN
+    SELECT x.e ->> 'platform' AS platform, x.e -> 'hosts' AS hosts
+    INTO v_bad
+    FROM jsonb_array_elements(p_limits) WITH ORDINALITY AS x (e, n)
+    WHERE jsonb_typeof(x.e) = 'object'
+      AND x.e ? 'hosts'
+      AND jsonb_typeof(x.e -> 'hosts') <> 'null'
+      AND (jsonb_typeof(x.e -> 'hosts') <> 'array'
+           OR jsonb_array_length(x.e -> 'hosts') NOT BETWEEN 1 AND 20
+           OR EXISTS (
+             SELECT 1 FROM jsonb_array_elements(x.e -> 'hosts') AS h (v)
+             WHERE jsonb_typeof(h.v) <> 'string'
+                OR (h.v #>> '{}') !~ '^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$'
+                OR length(h.v #>> '{}') > 253))
+    ORDER BY x.n
+    LIMIT 1;
+    IF FOUND THEN
+      PERFORM tq_refuse('sync_platform_limits', format('hosts of platform %s', quote_literal(v_bad.platform)),
+        tq_shown(v_bad.hosts::TEXT), 'must be a list of 1 to 20 host names in lower case',
+        'The hosts a platform''s URLs may name, e.g. ["menus.example.com"]: no scheme, port or path.');
+    END IF;
   END IF;
-  IF p_limits IS NULL OR jsonb_typeof(p_limits) <> 'array'
-     OR EXISTS (SELECT 1 FROM jsonb_array_elements(p_limits) AS x (e) WHERE jsonb_typeof(x.e) <> 'object') THEN
-    PERFORM tq_refuse('sync_platform_limits', 'limits', tq_shown(p_limits::TEXT),
-      'must be a JSON array of objects, one per platform', v_hint);
-  END IF;
-  SELECT string_agg(coalesce(quote_literal(b.platform), 'NULL'), ', ') INTO v_bad
+  PERFORM tq_sync_limits(p_limits);
+  UPDATE tq_platforms l
+  SET hosts = x.hosts, updated_at = now()
   FROM (
-    SELECT x.platform
-    FROM jsonb_to_recordset(p_limits) AS x (platform TEXT)
-    GROUP BY x.platform
-    HAVING x.platform IS NULL OR btrim(x.platform) = '' OR length(x.platform) > 50 OR count(*) > 1
-  ) b;
-  IF v_bad IS NOT NULL THEN
-    RAISE EXCEPTION 'sync_platform_limits: each platform needs a non-empty name, once (and of at most 50 '
-      'characters), got %', v_bad
-      USING ERRCODE = 'invalid_parameter_value', HINT = v_hint;
-  END IF;
-  -- Every limit in range before any is written: a raw check violation named only the constraint.
-  SELECT x.e ->> 'platform' AS platform, f.name, f.rule, f.value
-  INTO v_field
-  FROM jsonb_array_elements(p_limits) WITH ORDINALITY AS x (e, n)
-  CROSS JOIN LATERAL (VALUES
-    (1, 'max_in_flight', 'must be a whole number from 1 to 10000', x.e -> 'max_in_flight',
-        NOT tq_json_number_between(x.e -> 'max_in_flight', 1, 10000, true)),
-    (2, 'requests_per_second', 'must be a number from 0.001 to 10000', x.e -> 'requests_per_second',
-        NOT tq_json_number_between(x.e -> 'requests_per_second', 0.001, 10000)),
-    (3, 'burst', 'must be null or a whole number from 1 to 10000', x.e -> 'burst',
-        jsonb_typeof(x.e -> 'burst') <> 'null' AND NOT tq_json_number_between(x.e -> 'burst', 1, 10000, true)),
-    (4, 'pause_after_errors', 'must be null or a whole number from 1 to 1000', x.e -> 'pause_after_errors',
-        jsonb_typeof(x.e -> 'pause_after_errors') <> 'null'
-        AND NOT tq_json_number_between(x.e -> 'pause_after_errors', 1, 1000, true)),
-    (5, 'pause_seconds', 'must be null or a number from 0.1 to 86400', x.e -> 'pause_seconds',
-        jsonb_typeof(x.e -> 'pause_seconds') <> 'null'
-        AND NOT tq_json_number_between(x.e -> 'pause_seconds', 0.1, 86400)),
-    (6, 'max_pause_seconds', 'must be null or a number from 0.1 to 86400', x.e -> 'max_pause_seconds',
-        jsonb_typeof(x.e -> 'max_pause_seconds') <> 'null'
-        AND NOT tq_json_number_between(x.e -> 'max_pause_seconds', 0.1, 86400))
-  ) AS f (k, name, rule, value, bad)
-  WHERE f.bad
-  ORDER BY x.n, f.k
-  LIMIT 1;
-  IF FOUND THEN
-    PERFORM tq_refuse('sync_platform_limits',
-      format('%s of platform %s', v_field.name, quote_literal(v_field.platform)),
-      coalesce(v_field.value::TEXT, 'missing'), v_field.rule, v_hint);
-  END IF;
-  SELECT x.e ->> 'platform' AS platform, x.e -> 'pause_seconds' AS pause, x.e -> 'max_pause_seconds' AS max_pause
-  INTO v_field
-  FROM jsonb_array_elements(p_limits) WITH ORDINALITY AS x (e, n)
-  WHERE coalesce((x.e ->> 'max_pause_seconds')::NUMERIC, 600) < coalesce((x.e ->> 'pause_seconds')::NUMERIC, 5)
-  ORDER BY x.n
-  LIMIT 1;
-  IF FOUND THEN
-    PERFORM tq_refuse('sync_platform_limits',
-      format('max_pause_seconds of platform %s', quote_literal(v_field.platform)),
-      coalesce(v_field.max_pause::TEXT, '600 (the default)'),
-      format('must not be below its pause_seconds (%s)', coalesce(v_field.pause::TEXT, '5, the default')), v_hint);
-  END IF;
-
-  -- Nor may syncs add up to more: one sync at a time counts the platforms it would add.
-  PERFORM pg_advisory_xact_lock(hashtext('tq:sync_platform_limits'));
-  SELECT count(*) INTO v_total
-  FROM (
-    SELECT l.platform FROM tq_platforms l
-    UNION
-    SELECT x.platform FROM jsonb_to_recordset(p_limits) AS x (platform TEXT)
-  ) k;
-  IF v_total > 1000 THEN
-    PERFORM tq_refuse('sync_platform_limits', 'limits', format('%s platforms in all', v_total),
-      'must leave at most 1000 platforms with limits, counting those loaded before',
-      format('%s platforms have limits already; delete those no file names any more '
-             '(DELETE FROM tq_platforms WHERE platform = ...), as the admin.',
-             (SELECT count(*) FROM tq_platforms)));
-  END IF;
-
-  INSERT INTO tq_platforms AS l (
-    platform, max_in_flight, requests_per_second, burst, pause_after_errors, pause_seconds,
-    max_pause_seconds, in_flight)
-  SELECT
-    x.platform,
-    x.max_in_flight,
-    x.requests_per_second,
-    coalesce(x.burst, x.max_in_flight),
-    coalesce(x.pause_after_errors, 5),
-    coalesce(x.pause_seconds, 5),
-    coalesce(x.max_pause_seconds, 600),
-    (SELECT count(*)
-     FROM worker_tasks t
-     WHERE t.id IN (
-         SELECT a.id FROM worker_tasks a
-         WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NOT NULL
-         UNION ALL
-         SELECT a.id FROM worker_tasks a
-         WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NULL)
-       AND t.platform = x.platform
-       AND t.status IN ('claimed', 'running')
-       AND t.send_at IS NOT NULL)
-  FROM jsonb_to_recordset(p_limits) AS x (
-    platform TEXT, max_in_flight INTEGER, requests_per_second DOUBLE PRECISION, burst INTEGER,
-    pause_after_errors INTEGER, pause_seconds DOUBLE PRECISION, max_pause_seconds DOUBLE PRECISION)
-  ORDER BY x.platform
-  ON CONFLICT (platform) DO UPDATE
-  SET max_in_flight = excluded.max_in_flight,
-      requests_per_second = excluded.requests_per_second,
-      burst = excluded.burst,
-      pause_after_errors = excluded.pause_after_errors,
-      pause_seconds = excluded.pause_seconds,
-      max_pause_seconds = excluded.max_pause_seconds,
-      updated_at = now()
-  WHERE (l.max_in_flight, l.requests_per_second, l.burst, l.pause_after_errors, l.pause_seconds,
-         l.max_pause_seconds)
-    IS DISTINCT FROM (excluded.max_in_flight, excluded.requests_per_second, excluded.burst,
-                      excluded.pause_after_errors, excluded.pause_seconds, excluded.max_pause_seconds);
-  GET DIAGNOSTICS v_changed = ROW_COUNT;
+    SELECT e ->> 'platform' AS platform,
+           CASE WHEN jsonb_typeof(e -> 'hosts') = 'array'
+                THEN ARRAY(SELECT jsonb_array_elements_text(e -> 'hosts') ORDER BY 1) END AS hosts
+    FROM jsonb_array_elements(p_limits) AS e
+  ) x
+  WHERE l.platform = x.platform
+    AND x.hosts IS NOT NULL  -- no "hosts": left as loaded
+    AND l.hosts IS DISTINCT FROM x.hosts;
+  -- Changed: inserted or updated by this transaction, limits or hosts.
+  SELECT count(*) INTO v_changed
+  FROM tq_platforms l
+  WHERE l.platform IN (SELECT e ->> 'platform' FROM jsonb_array_elements(p_limits) AS e)
+    AND l.updated_at = now();
   RETURN v_changed;
 END;
-$$;
+$_$;
 
 
 --
--- Name: task_still_owned(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
+-- Name: task_still_owned(integer, uuid); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.task_still_owned(p_task_id integer, p_worker_id character varying) RETURNS TABLE(owned integer)
+CREATE FUNCTION public.task_still_owned(p_task_id integer, p_lease uuid) RETURNS TABLE(owned integer)
     LANGUAGE sql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
   SELECT 1
   FROM worker_tasks t
   WHERE t.id = p_task_id
-    AND t.worker_id = p_worker_id
+    AND t.lease_hash = tq_lease_hash(p_lease)
     AND t.status IN ('claimed', 'running')
   FOR SHARE;
+$$;
+
+
+--
+-- Name: tq_check_leases(text, integer[], uuid[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_check_leases(p_function text, p_task_ids integer[], p_leases uuid[]) RETURNS void
+    LANGUAGE plpgsql IMMUTABLE
+    AS $$
+BEGIN
+  IF cardinality(p_task_ids) IS DISTINCT FROM cardinality(p_leases) THEN
+    RAISE EXCEPTION '%: % task ids and % lease tokens', p_function,
+      coalesce(cardinality(p_task_ids)::TEXT, 'NULL'), coalesce(cardinality(p_leases)::TEXT, 'NULL')
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give each task id with the lease token its claim returned, in the same order.';
+  END IF;
+  IF cardinality(p_task_ids) > 1000 THEN
+    PERFORM tq_refuse(p_function, 'task_ids', format('%s tasks', cardinality(p_task_ids)),
+      'must list at most 1000 tasks', 'A claim takes at most 1000 tasks: act on one claim''s worth at a time.');
+  END IF;
+END;
 $$;
 
 
@@ -2388,7 +2261,10 @@ BEGIN
   FOR r IN
     SELECT q.signature, q.prokind
     FROM tq_queue_functions() q
+    JOIN pg_proc p ON p.oid = q.signature
     WHERE q.is_api AND NOT q.is_trigger
+      -- The admin's functions (0013) stay the admin's.
+      AND NOT EXISTS (SELECT 1 FROM tq_api a WHERE a.function_name = p.proname AND NOT a.for_worker)
   LOOP
     EXECUTE format('GRANT EXECUTE ON %s %s TO %I',
       CASE r.prokind WHEN 'p' THEN 'PROCEDURE' ELSE 'FUNCTION' END, r.signature, p_role);
@@ -2405,6 +2281,38 @@ BEGIN
             HINT = 'Take each away (REVOKE <role> FROM <worker>; REVOKE ... FROM PUBLIC; ALTER ROLE ... NOCREATEROLE), '
                    'or give the worker a role of its own, member of no other role.';
   END IF;
+END;
+$$;
+
+
+--
+-- Name: tq_held_task(text, integer, uuid, text[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_held_task(p_function text, p_task_id integer, p_lease uuid, p_roles text[]) RETURNS public.worker_tasks
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  t worker_tasks;
+BEGIN
+  SELECT * INTO t
+  FROM worker_tasks w
+  WHERE w.id = p_task_id
+    AND w.status IN ('claimed', 'running')
+    AND w.lease_hash = tq_lease_hash(p_lease)
+  FOR SHARE;
+  IF NOT FOUND THEN
+    RAISE EXCEPTION '%: task % is not held under this lease', p_function, coalesce(p_task_id::TEXT, 'NULL')
+      USING ERRCODE = 'insufficient_privilege',
+            DETAIL = 'It finished, went back to the queue, or was claimed under another lease.',
+            HINT = 'Act on a task only with the lease token its claim returned, while it is claimed or running.';
+  END IF;
+  IF NOT t.role = ANY (p_roles) THEN
+    RAISE EXCEPTION '%: task % is a % task; only % tasks may call it',
+      p_function, p_task_id, t.role, array_to_string(p_roles, ', ')
+      USING ERRCODE = 'insufficient_privilege';
+  END IF;
+  RETURN t;
 END;
 $$;
 
@@ -2457,6 +2365,17 @@ $$;
 
 
 --
+-- Name: tq_lease_hash(uuid); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_lease_hash(p_lease uuid) RETURNS bytea
+    LANGUAGE sql IMMUTABLE
+    AS $$
+  SELECT sha256(uuid_send(p_lease));
+$$;
+
+
+--
 -- Name: tq_lock_and_refresh(integer[], character varying[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -2467,12 +2386,55 @@ BEGIN
   IF p_stores IS NULL THEN
     RETURN;
   END IF;
+  IF cardinality(p_stores) = 1 THEN
+    IF p_stores[1] IS NOT NULL THEN
+      PERFORM 1 FROM worker_task_stores s WHERE s.dispensary_id = p_stores[1] FOR UPDATE;
+      PERFORM tq_refresh_head(p_stores[1], p_roles[1]);
+    END IF;
+    RETURN;
+  END IF;
   PERFORM 1
   FROM worker_task_stores s
   WHERE s.dispensary_id = ANY (p_stores)
   ORDER BY s.dispensary_id
   FOR UPDATE;
   PERFORM tq_refresh_heads(p_stores, p_roles);
+END;
+$$;
+
+
+--
+-- Name: tq_mark_store_gone(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_mark_store_gone(p_dispensary_id integer, p_platform character varying) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM dispensaries d WHERE d.id = p_dispensary_id) THEN
+    RAISE EXCEPTION 'mark_store_gone: dispensary_id must be a store of dispensaries, got %',
+      coalesce(p_dispensary_id::TEXT, 'NULL')
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give the id of the store the platform no longer has.';
+  END IF;
+  IF p_platform IS NULL OR btrim(p_platform) = '' OR length(p_platform) > 50 THEN
+    -- As tq_refuse words it (0008), raised here so that 0010 needs no other migration.
+    RAISE EXCEPTION 'mark_store_gone: platform %, got %',
+      CASE WHEN length(p_platform) > 50 THEN 'must be at most 50 characters' ELSE 'must not be empty' END,
+      CASE WHEN p_platform IS NULL THEN 'NULL'
+           WHEN length(p_platform) > 40
+             THEN quote_literal(left(p_platform, 40)) || format('... (%s characters)', length(p_platform))
+           ELSE quote_literal(p_platform) END
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'The store''s platform: a name of 1 to 50 characters (dispensaries.menu_type).';
+  END IF;
+  WITH state AS (
+    INSERT INTO store_crawl_state (dispensary_id, platform, gone_at)
+    VALUES (p_dispensary_id, p_platform, now())
+    ON CONFLICT (dispensary_id) DO UPDATE SET gone_at = now()
+  )
+  UPDATE dispensaries SET crawl_enabled = false
+  WHERE id = p_dispensary_id;
 END;
 $$;
 
@@ -2501,6 +2463,7 @@ CREATE TABLE public.tq_platforms (
     last_error text,
     last_error_at timestamp with time zone,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    hosts text[],
     CONSTRAINT tq_platforms_burst_check CHECK (((burst >= 1) AND (burst <= 10000))),
     CONSTRAINT tq_platforms_check CHECK (((max_pause_seconds <= (86400)::double precision) AND (max_pause_seconds >= pause_seconds))),
     CONSTRAINT tq_platforms_error_streak_check CHECK ((error_streak >= 0)),
@@ -2520,6 +2483,13 @@ WITH (fillfactor='50');
 --
 
 COMMENT ON TABLE public.tq_platforms IS 'Per-platform politeness limits shared by every claimer, and their live state (kept by the queue)';
+
+
+--
+-- Name: COLUMN tq_platforms.hosts; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.tq_platforms.hosts IS 'The hosts the platform''s URLs may name (the platforms file''s hosts, default its base URL''s); NULL: not loaded';
 
 
 --
@@ -2646,6 +2616,52 @@ CREATE FUNCTION public.tq_queue_relations() RETURNS TABLE(relation regclass, rel
    AND d.refclassid = 'pg_class'::REGCLASS
   JOIN own o ON o.oid = d.refobjid
   WHERE s.relkind = 'S'
+$$;
+
+
+--
+-- Name: tq_refresh_head(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_refresh_head(p_store integer, p_role character varying) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_priority INTEGER;
+  v_due TIMESTAMPTZ;
+  v_platform VARCHAR;
+  v_recheck TIMESTAMPTZ;
+BEGIN
+  SELECT t.priority, t.due_at, coalesce(t.platform, '') INTO v_priority, v_due, v_platform
+  FROM worker_tasks t
+  WHERE t.dispensary_id = p_store AND t.role = p_role AND t.status = 'pending' AND t.due_at <= now()
+  ORDER BY t.priority DESC, t.due_at, t.id
+  LIMIT 1;
+  IF NOT FOUND THEN
+    SELECT t.priority, t.due_at, coalesce(t.platform, '') INTO v_priority, v_due, v_platform
+    FROM worker_tasks t
+    WHERE t.dispensary_id = p_store AND t.role = p_role AND t.status = 'pending' AND t.due_at > now()
+    ORDER BY t.due_at, t.priority DESC, t.id
+    LIMIT 1;
+    IF NOT FOUND THEN
+      DELETE FROM worker_task_heads h WHERE h.role = p_role AND h.dispensary_id = p_store;
+      RETURN;
+    END IF;
+  END IF;
+  SELECT min(t.due_at) INTO v_recheck
+  FROM worker_tasks t
+  WHERE t.dispensary_id = p_store AND t.role = p_role AND t.status = 'pending'
+    AND t.due_at > greatest(now(), v_due) AND t.priority > v_priority;
+  INSERT INTO worker_task_heads AS h (role, dispensary_id, priority, due_at, recheck_at, platform)
+  VALUES (p_role, p_store, v_priority, v_due, v_recheck, v_platform)
+  ON CONFLICT (role, dispensary_id) DO UPDATE
+  SET priority = excluded.priority,
+      due_at = excluded.due_at,
+      recheck_at = excluded.recheck_at,
+      platform = excluded.platform
+  WHERE (h.priority, h.due_at, h.recheck_at, h.platform)
+    IS DISTINCT FROM (excluded.priority, excluded.due_at, excluded.recheck_at, excluded.platform);
+END;
 $$;
 
 
@@ -2862,6 +2878,48 @@ $$;
 
 
 --
+-- Name: tq_save_entry_point(integer, character varying, text, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_save_entry_point(p_dispensary_id integer, p_platform character varying, p_platform_id text, p_menu_url text) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM dispensaries d WHERE d.id = p_dispensary_id) THEN
+    RAISE EXCEPTION 'save_entry_point: dispensary_id must be a store of dispensaries, got %',
+      coalesce(p_dispensary_id::TEXT, 'NULL')
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give the id of the store whose entry point was resolved.';
+  END IF;
+  IF p_platform IS NULL OR btrim(p_platform) = '' OR length(p_platform) > 50 THEN
+    -- As tq_refuse words it (0008), raised here so that 0010 needs no other migration.
+    RAISE EXCEPTION 'save_entry_point: platform %, got %',
+      CASE WHEN length(p_platform) > 50 THEN 'must be at most 50 characters' ELSE 'must not be empty' END,
+      CASE WHEN p_platform IS NULL THEN 'NULL'
+           WHEN length(p_platform) > 40
+             THEN quote_literal(left(p_platform, 40)) || format('... (%s characters)', length(p_platform))
+           ELSE quote_literal(p_platform) END
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'The store''s platform: a name of 1 to 50 characters (dispensaries.menu_type).';
+  END IF;
+  WITH old AS (
+    SELECT c.gone_at FROM store_crawl_state c WHERE c.dispensary_id = p_dispensary_id
+  ),
+  state AS (
+    INSERT INTO store_crawl_state (dispensary_id, platform, menu_url, resolved_at)
+    VALUES (p_dispensary_id, p_platform, p_menu_url, now())
+    ON CONFLICT (dispensary_id) DO UPDATE
+    SET menu_url = excluded.menu_url, resolved_at = now(), gone_at = NULL
+  )
+  UPDATE dispensaries
+  SET platform_dispensary_id = p_platform_id,
+      crawl_enabled = crawl_enabled OR EXISTS (SELECT 1 FROM old WHERE old.gone_at IS NOT NULL)
+  WHERE id = p_dispensary_id;
+END;
+$$;
+
+
+--
 -- Name: tq_secure_functions(); Type: PROCEDURE; Schema: public; Owner: -
 --
 
@@ -2959,6 +3017,25 @@ $$;
 
 
 --
+-- Name: tq_session_pid(public.worker_registry); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_session_pid(w public.worker_registry) RETURNS integer
+    LANGUAGE sql STABLE
+    AS $$
+  SELECT l.pid
+  FROM pg_locks l
+  WHERE l.locktype = 'advisory'
+    AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+    AND l.classid = 7471::OID
+    AND l.objid = w.id::OID
+    AND l.objsubid = 2
+    AND l.granted
+  LIMIT 1;
+$$;
+
+
+--
 -- Name: tq_shown(text); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -2970,6 +3047,172 @@ CREATE FUNCTION public.tq_shown(p_value text) RETURNS text
     WHEN length(p_value) > 40 THEN quote_literal(left(p_value, 40)) || format('... (%s characters)', length(p_value))
     ELSE quote_literal(p_value)
   END;
+$$;
+
+
+--
+-- Name: tq_store_menu(integer, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_store_menu(p_dispensary_id integer, p_menu_hash text, p_products jsonb) RETURNS TABLE(unchanged boolean, seen integer, new integer, changed integer, gone integer)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_hash TEXT;
+  v_bad RECORD;
+  v_hint TEXT := 'products: a JSON array of {"id", "name", "category": text, "brand": text or null, '
+    '"price": a number from 0 to 99999999.99, "thc", "cbd": null or a number from 0 to 100, '
+    '"in_stock": true or false}, each id once (tq_pipelines.crawl.menu.normalise_menu makes them).';
+BEGIN
+  INSERT INTO store_crawl_state (dispensary_id, platform)
+  SELECT d.id, d.menu_type FROM dispensaries d WHERE d.id = p_dispensary_id
+  ON CONFLICT ON CONSTRAINT store_crawl_state_pkey DO NOTHING;
+  -- Serialises writers of one store (the queue already runs one task per store at a time).
+  SELECT c.menu_hash INTO v_hash
+  FROM store_crawl_state c
+  WHERE c.dispensary_id = p_dispensary_id
+  FOR UPDATE;
+  IF NOT FOUND THEN
+    RAISE EXCEPTION 'store_menu: dispensary_id must be the id of a store: no store with id %',
+      coalesce(p_dispensary_id::TEXT, 'NULL')
+      USING ERRCODE = 'invalid_parameter_value', HINT = 'Give a dispensaries.id.';
+  END IF;
+
+  IF p_menu_hash IS NULL OR p_menu_hash = '' THEN
+    PERFORM tq_refuse('store_menu', 'menu_hash', tq_shown(p_menu_hash), 'must not be empty',
+      'The hash of the normalised menu (tq_pipelines.crawl.menu.menu_hash): an unchanged menu is skipped by it.');
+  END IF;
+  IF p_products IS NULL OR jsonb_typeof(p_products) <> 'array' THEN
+    PERFORM tq_refuse('store_menu', 'products', tq_shown(p_products::TEXT), 'must be a JSON array', v_hint);
+  END IF;
+  -- The first product the tables would refuse (NOT NULL, numeric(10, 2), a price below 0), by
+  -- its place and id, before anything is written.
+  SELECT x.n - 1 AS n, x.p ->> 'id' AS id, p.problem
+  INTO v_bad
+  FROM jsonb_array_elements(p_products) WITH ORDINALITY AS x (p, n)
+  CROSS JOIN LATERAL (SELECT CASE
+    WHEN jsonb_typeof(x.p) <> 'object' THEN 'is not a JSON object'
+    WHEN NOT tq_json_text(x.p -> 'id') THEN 'has no id'
+    WHEN NOT tq_json_text(x.p -> 'name') THEN 'has no name'
+    WHEN NOT tq_json_text(x.p -> 'category') THEN 'has no category'
+    WHEN jsonb_typeof(x.p -> 'brand') <> 'null' AND NOT tq_json_text(x.p -> 'brand')
+      THEN 'has a brand that is not text'
+    WHEN NOT tq_json_number_between(x.p -> 'price', 0, 99999999.99)
+      THEN format('has price %s', coalesce(x.p ->> 'price', 'missing'))
+    WHEN jsonb_typeof(x.p -> 'thc') <> 'null' AND NOT tq_json_number_between(x.p -> 'thc', 0, 100)
+      THEN format('has thc %s', x.p ->> 'thc')
+    WHEN jsonb_typeof(x.p -> 'cbd') <> 'null' AND NOT tq_json_number_between(x.p -> 'cbd', 0, 100)
+      THEN format('has cbd %s', x.p ->> 'cbd')
+    WHEN jsonb_typeof(x.p -> 'in_stock') IS DISTINCT FROM 'boolean'
+      THEN format('has in_stock %s', coalesce(x.p ->> 'in_stock', 'missing'))
+  END) AS p (problem)
+  WHERE p.problem IS NOT NULL
+  ORDER BY x.n
+  LIMIT 1;
+  IF FOUND THEN
+    RAISE EXCEPTION 'store_menu: every product needs an id, a name, a category, a price and in_stock: '
+      'product #% (id %) %', v_bad.n, tq_shown(v_bad.id), v_bad.problem
+      USING ERRCODE = 'invalid_parameter_value', HINT = v_hint;
+  END IF;
+  IF EXISTS (
+    SELECT 1
+    FROM jsonb_to_recordset(p_products) AS x (id TEXT)
+    GROUP BY x.id
+    HAVING x.id IS NULL OR count(*) > 1
+  ) THEN
+    RAISE EXCEPTION 'store_menu: every product needs an id, and each id once: %', (
+        SELECT string_agg(tq_shown(x.id), ', ' ORDER BY x.id)
+        FROM (SELECT y.id FROM jsonb_to_recordset(p_products) AS y (id TEXT) GROUP BY y.id HAVING count(*) > 1) x
+      )
+      USING ERRCODE = 'invalid_parameter_value', HINT = v_hint;
+  END IF;
+
+  seen := jsonb_array_length(p_products);
+  IF v_hash IS NOT DISTINCT FROM p_menu_hash THEN
+    UPDATE store_crawl_state c SET last_crawl_at = now() WHERE c.dispensary_id = p_dispensary_id;
+    unchanged := true; new := 0; changed := 0; gone := 0;
+    RETURN NEXT;
+    RETURN;
+  END IF;
+
+  WITH incoming AS (
+    SELECT *
+    FROM jsonb_to_recordset(p_products) AS x (
+      id TEXT, name TEXT, brand TEXT, category TEXT, price NUMERIC, thc NUMERIC, cbd NUMERIC, in_stock BOOLEAN)
+  ),
+  old AS (
+    SELECT p.* FROM products p WHERE p.dispensary_id = p_dispensary_id
+  ),
+  diff AS (
+    SELECT
+      i.*,
+      o.price AS old_price,
+      o.in_stock AS old_in_stock,
+      CASE
+        WHEN o.id IS NULL THEN 'new'
+        WHEN o.gone_at IS NOT NULL THEN 'back'
+        WHEN (o.price, o.in_stock) IS DISTINCT FROM (i.price, i.in_stock) THEN 'changed'
+      END AS change
+    FROM incoming i
+    LEFT JOIN old o ON o.external_id = i.id
+  ),
+  upserted AS (
+    INSERT INTO products AS p (
+      dispensary_id, external_id, name, brand, category, price, thc_percent, cbd_percent, in_stock)
+    SELECT p_dispensary_id, d.id, d.name, d.brand, d.category, d.price, d.thc, d.cbd, d.in_stock
+    FROM diff d
+    ORDER BY d.id
+    ON CONFLICT (dispensary_id, external_id) DO UPDATE
+    SET name = excluded.name,
+        brand = excluded.brand,
+        category = excluded.category,
+        price = excluded.price,
+        thc_percent = excluded.thc_percent,
+        cbd_percent = excluded.cbd_percent,
+        in_stock = excluded.in_stock,
+        last_seen_at = now(),
+        changed_at = CASE
+          WHEN p.gone_at IS NOT NULL OR (p.price, p.in_stock) IS DISTINCT FROM (excluded.price, excluded.in_stock)
+          THEN now() ELSE p.changed_at END,
+        gone_at = NULL
+    RETURNING p.id, p.external_id
+  ),
+  history AS (
+    INSERT INTO product_history (product_id, dispensary_id, change, price, old_price, in_stock, old_in_stock)
+    SELECT u.id, p_dispensary_id, d.change, d.price, d.old_price, d.in_stock, d.old_in_stock
+    FROM upserted u
+    JOIN diff d ON d.id = u.external_id
+    WHERE d.change IS NOT NULL
+  ),
+  vanished AS (
+    UPDATE products p
+    SET gone_at = now(), changed_at = now()
+    FROM old o
+    WHERE p.id = o.id
+      AND o.gone_at IS NULL
+      AND NOT EXISTS (SELECT 1 FROM incoming i WHERE i.id = o.external_id)
+    RETURNING p.id, p.price, p.in_stock
+  ),
+  vanished_history AS (
+    INSERT INTO product_history (product_id, dispensary_id, change, old_price, old_in_stock)
+    SELECT v.id, p_dispensary_id, 'gone', v.price, v.in_stock
+    FROM vanished v
+  )
+  SELECT
+    count(*) FILTER (WHERE d.change = 'new'),
+    count(*) FILTER (WHERE d.change IN ('changed', 'back')),
+    (SELECT count(*) FROM vanished)
+  INTO new, changed, gone
+  FROM diff d;
+
+  UPDATE store_crawl_state c
+  SET menu_hash = p_menu_hash,
+      last_crawl_at = now(),
+      last_change_at = CASE WHEN new + changed + gone > 0 OR c.menu_hash IS NULL THEN now() ELSE c.last_change_at END
+  WHERE c.dispensary_id = p_dispensary_id;
+  unchanged := false;
+  RETURN NEXT;
+END;
 $$;
 
 
@@ -3008,6 +3251,148 @@ $$;
 
 
 --
+-- Name: tq_sync_limits(jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_sync_limits(p_limits jsonb) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_changed INTEGER;
+  v_total BIGINT;
+  v_bad TEXT;
+  v_field RECORD;
+  v_hint TEXT := 'Each platform: {"platform": a name of 1 to 50 characters, "max_in_flight": 1 to 10000, '
+    '"requests_per_second": 0.001 to 10000, "burst": 1 to 10000 (default max_in_flight), '
+    '"pause_after_errors": 1 to 1000 (default 5), "pause_seconds": 0.1 to 86400 (default 5), '
+    '"max_pause_seconds": pause_seconds to 86400 (default 600)}; counts are whole numbers.';
+BEGIN
+  -- The count first: a list of 20,000 is refused before it is read element by element.
+  IF jsonb_typeof(p_limits) = 'array' AND jsonb_array_length(p_limits) > 1000 THEN
+    PERFORM tq_refuse('sync_platform_limits', 'limits', format('%s platforms', jsonb_array_length(p_limits)),
+      'must list at most 1000 platforms',
+      'A platforms file names the platforms a fleet crawls: a few, never more than 1000.');
+  END IF;
+  IF p_limits IS NULL OR jsonb_typeof(p_limits) <> 'array'
+     OR EXISTS (SELECT 1 FROM jsonb_array_elements(p_limits) AS x (e) WHERE jsonb_typeof(x.e) <> 'object') THEN
+    PERFORM tq_refuse('sync_platform_limits', 'limits', tq_shown(p_limits::TEXT),
+      'must be a JSON array of objects, one per platform', v_hint);
+  END IF;
+  SELECT string_agg(coalesce(quote_literal(b.platform), 'NULL'), ', ') INTO v_bad
+  FROM (
+    SELECT x.platform
+    FROM jsonb_to_recordset(p_limits) AS x (platform TEXT)
+    GROUP BY x.platform
+    HAVING x.platform IS NULL OR btrim(x.platform) = '' OR length(x.platform) > 50 OR count(*) > 1
+  ) b;
+  IF v_bad IS NOT NULL THEN
+    RAISE EXCEPTION 'sync_platform_limits: each platform needs a non-empty name, once (and of at most 50 '
+      'characters), got %', v_bad
+      USING ERRCODE = 'invalid_parameter_value', HINT = v_hint;
+  END IF;
+  -- Every limit in range before any is written: a raw check violation named only the constraint.
+  SELECT x.e ->> 'platform' AS platform, f.name, f.rule, f.value
+  INTO v_field
+  FROM jsonb_array_elements(p_limits) WITH ORDINALITY AS x (e, n)
+  CROSS JOIN LATERAL (VALUES
+    (1, 'max_in_flight', 'must be a whole number from 1 to 10000', x.e -> 'max_in_flight',
+        NOT tq_json_number_between(x.e -> 'max_in_flight', 1, 10000, true)),
+    (2, 'requests_per_second', 'must be a number from 0.001 to 10000', x.e -> 'requests_per_second',
+        NOT tq_json_number_between(x.e -> 'requests_per_second', 0.001, 10000)),
+    (3, 'burst', 'must be null or a whole number from 1 to 10000', x.e -> 'burst',
+        jsonb_typeof(x.e -> 'burst') <> 'null' AND NOT tq_json_number_between(x.e -> 'burst', 1, 10000, true)),
+    (4, 'pause_after_errors', 'must be null or a whole number from 1 to 1000', x.e -> 'pause_after_errors',
+        jsonb_typeof(x.e -> 'pause_after_errors') <> 'null'
+        AND NOT tq_json_number_between(x.e -> 'pause_after_errors', 1, 1000, true)),
+    (5, 'pause_seconds', 'must be null or a number from 0.1 to 86400', x.e -> 'pause_seconds',
+        jsonb_typeof(x.e -> 'pause_seconds') <> 'null'
+        AND NOT tq_json_number_between(x.e -> 'pause_seconds', 0.1, 86400)),
+    (6, 'max_pause_seconds', 'must be null or a number from 0.1 to 86400', x.e -> 'max_pause_seconds',
+        jsonb_typeof(x.e -> 'max_pause_seconds') <> 'null'
+        AND NOT tq_json_number_between(x.e -> 'max_pause_seconds', 0.1, 86400))
+  ) AS f (k, name, rule, value, bad)
+  WHERE f.bad
+  ORDER BY x.n, f.k
+  LIMIT 1;
+  IF FOUND THEN
+    PERFORM tq_refuse('sync_platform_limits',
+      format('%s of platform %s', v_field.name, quote_literal(v_field.platform)),
+      coalesce(v_field.value::TEXT, 'missing'), v_field.rule, v_hint);
+  END IF;
+  SELECT x.e ->> 'platform' AS platform, x.e -> 'pause_seconds' AS pause, x.e -> 'max_pause_seconds' AS max_pause
+  INTO v_field
+  FROM jsonb_array_elements(p_limits) WITH ORDINALITY AS x (e, n)
+  WHERE coalesce((x.e ->> 'max_pause_seconds')::NUMERIC, 600) < coalesce((x.e ->> 'pause_seconds')::NUMERIC, 5)
+  ORDER BY x.n
+  LIMIT 1;
+  IF FOUND THEN
+    PERFORM tq_refuse('sync_platform_limits',
+      format('max_pause_seconds of platform %s', quote_literal(v_field.platform)),
+      coalesce(v_field.max_pause::TEXT, '600 (the default)'),
+      format('must not be below its pause_seconds (%s)', coalesce(v_field.pause::TEXT, '5, the default')), v_hint);
+  END IF;
+
+  -- Nor may syncs add up to more: one sync at a time counts the platforms it would add.
+  PERFORM pg_advisory_xact_lock(hashtext('tq:sync_platform_limits'));
+  SELECT count(*) INTO v_total
+  FROM (
+    SELECT l.platform FROM tq_platforms l
+    UNION
+    SELECT x.platform FROM jsonb_to_recordset(p_limits) AS x (platform TEXT)
+  ) k;
+  IF v_total > 1000 THEN
+    PERFORM tq_refuse('sync_platform_limits', 'limits', format('%s platforms in all', v_total),
+      'must leave at most 1000 platforms with limits, counting those loaded before',
+      format('%s platforms have limits already; delete those no file names any more '
+             '(DELETE FROM tq_platforms WHERE platform = ...), as the admin.',
+             (SELECT count(*) FROM tq_platforms)));
+  END IF;
+
+  INSERT INTO tq_platforms AS l (
+    platform, max_in_flight, requests_per_second, burst, pause_after_errors, pause_seconds,
+    max_pause_seconds, in_flight)
+  SELECT
+    x.platform,
+    x.max_in_flight,
+    x.requests_per_second,
+    coalesce(x.burst, x.max_in_flight),
+    coalesce(x.pause_after_errors, 5),
+    coalesce(x.pause_seconds, 5),
+    coalesce(x.max_pause_seconds, 600),
+    (SELECT count(*)
+     FROM worker_tasks t
+     WHERE t.id IN (
+         SELECT a.id FROM worker_tasks a
+         WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NOT NULL
+         UNION ALL
+         SELECT a.id FROM worker_tasks a
+         WHERE a.status IN ('claimed', 'running') AND a.dispensary_id IS NULL)
+       AND t.platform = x.platform
+       AND t.status IN ('claimed', 'running')
+       AND t.send_at IS NOT NULL)
+  FROM jsonb_to_recordset(p_limits) AS x (
+    platform TEXT, max_in_flight INTEGER, requests_per_second DOUBLE PRECISION, burst INTEGER,
+    pause_after_errors INTEGER, pause_seconds DOUBLE PRECISION, max_pause_seconds DOUBLE PRECISION)
+  ORDER BY x.platform
+  ON CONFLICT (platform) DO UPDATE
+  SET max_in_flight = excluded.max_in_flight,
+      requests_per_second = excluded.requests_per_second,
+      burst = excluded.burst,
+      pause_after_errors = excluded.pause_after_errors,
+      pause_seconds = excluded.pause_seconds,
+      max_pause_seconds = excluded.max_pause_seconds,
+      updated_at = now()
+  WHERE (l.max_in_flight, l.requests_per_second, l.burst, l.pause_after_errors, l.pause_seconds,
+         l.max_pause_seconds)
+    IS DISTINCT FROM (excluded.max_in_flight, excluded.requests_per_second, excluded.burst,
+                      excluded.pause_after_errors, excluded.pause_seconds, excluded.max_pause_seconds);
+  GET DIAGNOSTICS v_changed = ROW_COUNT;
+  RETURN v_changed;
+END;
+$$;
+
+
+--
 -- Name: tq_task_platform(); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -3016,17 +3401,14 @@ CREATE FUNCTION public.tq_task_platform() RETURNS trigger
     AS $$
 DECLARE
   v_platform VARCHAR;
-  v_rule TEXT;
 BEGIN
   IF NEW.dispensary_id IS NOT NULL THEN
     SELECT d.menu_type INTO v_platform FROM dispensaries d WHERE d.id = NEW.dispensary_id FOR SHARE;
     IF NOT FOUND THEN
       RETURN NEW;  -- the foreign key refuses it
     END IF;
-    v_rule := format('must be that of store %s, %s (dispensaries.menu_type)', NEW.dispensary_id, tq_shown(v_platform));
   ELSIF jsonb_typeof(NEW.payload -> 'platform') = 'string' AND length(NEW.payload ->> 'platform') BETWEEN 1 AND 50 THEN
     v_platform := NEW.payload ->> 'platform';
-    v_rule := format('must be the one its payload names, %s', tq_shown(v_platform));
   ELSE
     RETURN NEW;
   END IF;
@@ -3034,11 +3416,28 @@ BEGIN
     NEW.platform := v_platform;
   ELSIF NEW.platform IS DISTINCT FROM v_platform THEN
     PERFORM tq_refuse(format('worker_tasks (task %s)', coalesce(NEW.id::TEXT, 'new')), 'platform',
-      tq_shown(NEW.platform), v_rule,
+      tq_shown(NEW.platform),
+      CASE WHEN NEW.dispensary_id IS NOT NULL
+        THEN format('must be that of store %s, %s (dispensaries.menu_type)', NEW.dispensary_id, tq_shown(v_platform))
+        ELSE format('must be the one its payload names, %s', tq_shown(v_platform)) END,
       'A task keeps the limits of its platform while its requests go to its store''s: leave the platform '
       'NULL and the store''s is taken.');
   END IF;
   RETURN NEW;
+END;
+$$;
+
+
+--
+-- Name: tq_task_platform_taken(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_task_platform_taken() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  PERFORM tq_platforms_apply(ARRAY[NEW.platform], ARRAY[1], ARRAY[NEW.id], ARRAY[NULL::VARCHAR]);
+  RETURN NULL;
 END;
 $$;
 
@@ -3105,23 +3504,44 @@ $$;
 CREATE FUNCTION public.tq_tasks_inserted() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
+DECLARE
+  v_stores INTEGER[];
+  v_active BOOLEAN;
+  v_pending_stores INTEGER[];
+  v_pending_roles VARCHAR[];
 BEGIN
+  -- The statements below take arrays, not the transition table: their plans are kept.
+  SELECT
+    array_agg(DISTINCT k.dispensary_id),
+    coalesce(bool_or(k.active), false),
+    array_agg(k.dispensary_id) FILTER (WHERE k.pending),
+    array_agg(k.role) FILTER (WHERE k.pending)
+  INTO v_stores, v_active, v_pending_stores, v_pending_roles
+  FROM (
+    SELECT DISTINCT n.dispensary_id, n.role,
+      n.status = 'pending' AS pending, n.status IN ('claimed', 'running') AS active
+    FROM new_tasks n
+    WHERE n.dispensary_id IS NOT NULL
+  ) k;
+  IF v_stores IS NULL THEN
+    RETURN NULL;  -- tasks of no store: no store state to keep
+  END IF;
+
   INSERT INTO worker_task_stores (dispensary_id)
-  SELECT DISTINCT dispensary_id FROM new_tasks WHERE dispensary_id IS NOT NULL
+  SELECT s.dispensary_id FROM unnest(v_stores) AS s (dispensary_id)
   ON CONFLICT (dispensary_id) DO NOTHING;
 
   -- Rows inserted as already active (only direct INSERTs do that) make their store busy.
-  UPDATE worker_task_stores s
-  SET active_task_id = n.id
-  FROM new_tasks n
-  WHERE n.status IN ('claimed', 'running')
-    AND s.dispensary_id = n.dispensary_id;
+  IF v_active THEN
+    UPDATE worker_task_stores s
+    SET active_task_id = n.id
+    FROM new_tasks n
+    WHERE n.status IN ('claimed', 'running')
+      AND s.dispensary_id = n.dispensary_id;
+  END IF;
 
-  PERFORM tq_lock_and_refresh(array_agg(p.dispensary_id), array_agg(p.role))
-  FROM (
-    SELECT DISTINCT dispensary_id, role FROM new_tasks
-    WHERE status = 'pending' AND dispensary_id IS NOT NULL
-  ) p;
+  -- NULL when no row is pending: nothing to lock or refresh.
+  PERFORM tq_lock_and_refresh(v_pending_stores, v_pending_roles);
   RETURN NULL;
 END;
 $$;
@@ -3140,25 +3560,6 @@ BEGIN
   WHERE o.status IN ('claimed', 'running')
     AND o.send_at IS NOT NULL
     AND o.platform IS NOT NULL;
-  RETURN NULL;
-END;
-$$;
-
-
---
--- Name: tq_tasks_platforms_inserted(); Type: FUNCTION; Schema: public; Owner: -
---
-
-CREATE FUNCTION public.tq_tasks_platforms_inserted() RETURNS trigger
-    LANGUAGE plpgsql
-    AS $$
-BEGIN
-  -- Only direct INSERTs create active rows.
-  PERFORM tq_platforms_apply(array_agg(n.platform), array_agg(1), array_agg(n.id), array_agg(NULL::VARCHAR))
-  FROM new_tasks n
-  WHERE n.status IN ('claimed', 'running')
-    AND n.send_at IS NOT NULL
-    AND n.platform IS NOT NULL;
   RETURN NULL;
 END;
 $$;
@@ -3329,6 +3730,115 @@ $$;
 
 
 --
+-- Name: tq_upsert_listed_stores(character varying, jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_upsert_listed_stores(p_platform character varying, p_stores jsonb) RETURNS TABLE(dispensary_id integer, directory_id text, created boolean)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  s RECORD;
+  v_id INTEGER;
+  v_gone TIMESTAMPTZ;
+BEGIN
+  IF p_platform IS NULL OR btrim(p_platform) = '' OR length(p_platform) > 50 THEN
+    PERFORM tq_refuse('upsert_listed_stores', 'platform', tq_shown(p_platform),
+      CASE WHEN length(p_platform) > 50 THEN 'must be at most 50 characters' ELSE 'must not be empty' END,
+      'The platform the stores were listed on: a name of 1 to 50 characters (dispensaries.menu_type).');
+  END IF;
+  IF p_stores IS NULL OR jsonb_typeof(p_stores) <> 'array'
+     OR EXISTS (SELECT 1 FROM jsonb_array_elements(p_stores) AS x (e) WHERE jsonb_typeof(x.e) <> 'object') THEN
+    PERFORM tq_refuse('upsert_listed_stores', 'stores', tq_shown(p_stores::TEXT), 'must be a JSON array of objects',
+      'One object per listed store: {"id": its id on the platform, "name": ..., "region": ...}.');
+  END IF;
+  -- Two listings of one platform at once would both see a store as new.
+  PERFORM pg_advisory_xact_lock(hashtext('tq:listing:' || p_platform));
+  IF EXISTS (
+    SELECT 1 FROM jsonb_to_recordset(p_stores) AS x (id TEXT) WHERE x.id IS NULL OR x.id = ''
+  ) THEN
+    RAISE EXCEPTION 'upsert_listed_stores: every listed store needs a non-empty id'
+      USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'One object per listed store: {"id": its id on the platform, "name": ..., "region": ...}.';
+  END IF;
+  FOR s IN
+    SELECT DISTINCT ON (x.id) x.id, x.name, x.region
+    FROM jsonb_to_recordset(p_stores) AS x (id TEXT, name TEXT, region TEXT)
+    ORDER BY x.id
+  LOOP
+    SELECT c.dispensary_id, c.gone_at INTO v_id, v_gone
+    FROM store_crawl_state c
+    WHERE c.platform = p_platform AND c.directory_id = s.id
+    FOR UPDATE;
+    IF FOUND THEN
+      UPDATE store_crawl_state c
+      SET last_listed_at = now(), region = coalesce(s.region, c.region), gone_at = NULL
+      WHERE c.dispensary_id = v_id;
+      -- Gone, now back: crawl it again (a store disabled by hand has no gone_at and stays so).
+      IF v_gone IS NOT NULL THEN
+        UPDATE dispensaries d SET crawl_enabled = true WHERE d.id = v_id;
+      END IF;
+      -- Still unresolved (gone before it was, or its entry point failed): try again.
+      INSERT INTO worker_tasks (role, dispensary_id, platform)
+      SELECT 'entry_point_discovery', d.id, d.menu_type
+      FROM dispensaries d
+      WHERE d.id = v_id
+        AND d.crawl_enabled
+        AND d.platform_dispensary_id IS NULL
+        AND NOT EXISTS (
+          SELECT 1 FROM worker_tasks t
+          WHERE t.dispensary_id = v_id
+            AND t.role = 'entry_point_discovery'
+            AND t.status IN ('pending', 'claimed', 'running'));
+      dispensary_id := v_id; directory_id := s.id; created := false;
+    ELSE
+      INSERT INTO dispensaries (name, menu_type, crawl_enabled)
+      VALUES (coalesce(nullif(s.name, ''), s.id), p_platform, true)
+      RETURNING id INTO v_id;
+      INSERT INTO store_crawl_state (dispensary_id, platform, directory_id, region, first_listed_at, last_listed_at)
+      VALUES (v_id, p_platform, s.id, s.region, now(), now());
+      INSERT INTO worker_tasks (role, dispensary_id, platform)
+      VALUES ('entry_point_discovery', v_id, p_platform);
+      dispensary_id := v_id; directory_id := s.id; created := true;
+    END IF;
+    RETURN NEXT;
+  END LOOP;
+END;
+$$;
+
+
+--
+-- Name: tq_url_allowed(text, text[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_url_allowed(p_url text, p_hosts text[]) RETURNS boolean
+    LANGUAGE sql IMMUTABLE
+    AS $_$
+  SELECT CASE
+    WHEN p_url ~ '^/(?!/)[^\s\\]*$' THEN true
+    ELSE coalesce(
+      lower(substring(p_url FROM '^[Hh][Tt][Tt][Pp][Ss]?://([A-Za-z0-9.-]+)(?::[0-9]{1,5})?(?:[/?#][^\s\\]*)?$'))
+        = ANY (p_hosts),
+      false)
+  END;
+$_$;
+
+
+--
+-- Name: tq_url_shown(text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_url_shown(p_url text) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    AS $_$
+  -- Only a plain scheme://host[:port] is shown: anything else before the path (user info, which
+  -- may hold '/', '?' or '#') hides the whole URL.
+  SELECT coalesce(
+    substring(p_url FROM '^([A-Za-z][A-Za-z0-9+.-]*://[A-Za-z0-9.-]+(?::[0-9]{1,5})?)(?:[/?#]|$)') || '/...',
+    '(a URL not shown: no plain scheme://host)');
+$_$;
+
+
+--
 -- Name: tq_worker_write_routes(name); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -3420,79 +3930,21 @@ $$;
 
 
 --
--- Name: upsert_listed_stores(character varying, jsonb); Type: FUNCTION; Schema: public; Owner: -
+-- Name: upsert_listed_stores(integer, uuid, jsonb); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.upsert_listed_stores(p_platform character varying, p_stores jsonb) RETURNS TABLE(dispensary_id integer, directory_id text, created boolean)
+CREATE FUNCTION public.upsert_listed_stores(p_task_id integer, p_lease uuid, p_stores jsonb) RETURNS TABLE(dispensary_id integer, directory_id text, created boolean)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
-  s RECORD;
-  v_id INTEGER;
-  v_gone TIMESTAMPTZ;
+  t worker_tasks := tq_held_task('upsert_listed_stores', p_task_id, p_lease, ARRAY['store_discovery']);
 BEGIN
-  IF p_platform IS NULL OR btrim(p_platform) = '' OR length(p_platform) > 50 THEN
-    PERFORM tq_refuse('upsert_listed_stores', 'platform', tq_shown(p_platform),
-      CASE WHEN length(p_platform) > 50 THEN 'must be at most 50 characters' ELSE 'must not be empty' END,
-      'The platform the stores were listed on: a name of 1 to 50 characters (dispensaries.menu_type).');
+  IF jsonb_typeof(p_stores) = 'array' AND jsonb_array_length(p_stores) > 10000 THEN
+    PERFORM tq_refuse('upsert_listed_stores', 'stores', format('%s stores', jsonb_array_length(p_stores)),
+      'must list at most 10000 stores', 'One region''s listing of one platform: a few hundred stores.');
   END IF;
-  IF p_stores IS NULL OR jsonb_typeof(p_stores) <> 'array'
-     OR EXISTS (SELECT 1 FROM jsonb_array_elements(p_stores) AS x (e) WHERE jsonb_typeof(x.e) <> 'object') THEN
-    PERFORM tq_refuse('upsert_listed_stores', 'stores', tq_shown(p_stores::TEXT), 'must be a JSON array of objects',
-      'One object per listed store: {"id": its id on the platform, "name": ..., "region": ...}.');
-  END IF;
-  -- Two listings of one platform at once would both see a store as new.
-  PERFORM pg_advisory_xact_lock(hashtext('tq:listing:' || p_platform));
-  IF EXISTS (
-    SELECT 1 FROM jsonb_to_recordset(p_stores) AS x (id TEXT) WHERE x.id IS NULL OR x.id = ''
-  ) THEN
-    RAISE EXCEPTION 'upsert_listed_stores: every listed store needs a non-empty id'
-      USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'One object per listed store: {"id": its id on the platform, "name": ..., "region": ...}.';
-  END IF;
-  FOR s IN
-    SELECT DISTINCT ON (x.id) x.id, x.name, x.region
-    FROM jsonb_to_recordset(p_stores) AS x (id TEXT, name TEXT, region TEXT)
-    ORDER BY x.id
-  LOOP
-    SELECT c.dispensary_id, c.gone_at INTO v_id, v_gone
-    FROM store_crawl_state c
-    WHERE c.platform = p_platform AND c.directory_id = s.id
-    FOR UPDATE;
-    IF FOUND THEN
-      UPDATE store_crawl_state c
-      SET last_listed_at = now(), region = coalesce(s.region, c.region), gone_at = NULL
-      WHERE c.dispensary_id = v_id;
-      -- Gone, now back: crawl it again (a store disabled by hand has no gone_at and stays so).
-      IF v_gone IS NOT NULL THEN
-        UPDATE dispensaries d SET crawl_enabled = true WHERE d.id = v_id;
-      END IF;
-      -- Still unresolved (gone before it was, or its entry point failed): try again.
-      INSERT INTO worker_tasks (role, dispensary_id, platform)
-      SELECT 'entry_point_discovery', d.id, d.menu_type
-      FROM dispensaries d
-      WHERE d.id = v_id
-        AND d.crawl_enabled
-        AND d.platform_dispensary_id IS NULL
-        AND NOT EXISTS (
-          SELECT 1 FROM worker_tasks t
-          WHERE t.dispensary_id = v_id
-            AND t.role = 'entry_point_discovery'
-            AND t.status IN ('pending', 'claimed', 'running'));
-      dispensary_id := v_id; directory_id := s.id; created := false;
-    ELSE
-      INSERT INTO dispensaries (name, menu_type, crawl_enabled)
-      VALUES (coalesce(nullif(s.name, ''), s.id), p_platform, true)
-      RETURNING id INTO v_id;
-      INSERT INTO store_crawl_state (dispensary_id, platform, directory_id, region, first_listed_at, last_listed_at)
-      VALUES (v_id, p_platform, s.id, s.region, now(), now());
-      INSERT INTO worker_tasks (role, dispensary_id, platform)
-      VALUES ('entry_point_discovery', v_id, p_platform);
-      dispensary_id := v_id; directory_id := s.id; created := true;
-    END IF;
-    RETURN NEXT;
-  END LOOP;
+  RETURN QUERY SELECT * FROM tq_upsert_listed_stores(coalesce(t.platform, t.payload ->> 'platform'), p_stores);
 END;
 $$;
 
@@ -3739,6 +4191,7 @@ ALTER SEQUENCE public.task_completion_log_id_seq OWNED BY public.task_completion
 
 CREATE TABLE public.tq_api (
     function_name text NOT NULL,
+    for_worker boolean DEFAULT true NOT NULL,
     CONSTRAINT tq_api_function_name_check CHECK ((function_name !~~ 'tq\_%'::text))
 );
 
@@ -3748,6 +4201,13 @@ CREATE TABLE public.tq_api (
 --
 
 COMMENT ON TABLE public.tq_api IS 'The queue''s functions not named tq_*: SECURITY DEFINER, search_path pinned, callable by its worker';
+
+
+--
+-- Name: COLUMN tq_api.for_worker; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.tq_api.for_worker IS 'false: the admin''s alone (tq grant gives the worker no EXECUTE on it)';
 
 
 --
@@ -4144,51 +4604,52 @@ ALTER TABLE ONLY public.worker_tasks ALTER COLUMN id SET DEFAULT nextval('public
 -- Data for Name: tq_api; Type: TABLE DATA; Schema: public; Owner: -
 --
 
-INSERT INTO public.tq_api (function_name) VALUES
-	('cancel_task'),
-	('claim_task'),
-	('claim_tasks'),
-	('claim_wait'),
-	('complete_task'),
-	('complete_task_tx'),
-	('complete_tasks'),
-	('complete_tasks_timed'),
-	('defer_task'),
-	('deregister_worker'),
-	('enqueue_demo_resyncs'),
-	('enqueue_task'),
-	('enqueue_task_once'),
-	('expire_leases'),
-	('fail_task'),
-	('generate_resync_tasks'),
-	('heartbeat_tasks'),
-	('mark_store_gone'),
-	('platform_answered'),
-	('platform_error'),
-	('platform_release'),
-	('platform_request'),
-	('prune_completion_log'),
-	('prune_product_history'),
-	('prune_tasks'),
-	('prune_workers'),
-	('recover_stale_tasks'),
-	('recover_stale_tasks_report'),
-	('refresh_store_analytics'),
-	('refresh_task_completion_log'),
-	('register_worker'),
-	('repair_platform_counters'),
-	('save_entry_point'),
-	('start_task'),
-	('start_tasks'),
-	('store_menu'),
-	('sync_platform_limits'),
-	('task_still_owned'),
-	('upsert_listed_stores'),
-	('worker_completed'),
-	('update_worker_tasks_timestamp'),
-	('register_worker_session'),
-	('release_dead_workers'),
-	('worker_sessions');
+INSERT INTO public.tq_api (function_name, for_worker) VALUES
+	('claim_tasks', true),
+	('claim_wait', true),
+	('complete_task', true),
+	('complete_task_tx', true),
+	('complete_tasks', true),
+	('complete_tasks_timed', true),
+	('defer_task', true),
+	('deregister_worker', true),
+	('enqueue_demo_resyncs', true),
+	('enqueue_task', true),
+	('enqueue_task_once', true),
+	('expire_leases', true),
+	('fail_task', true),
+	('generate_resync_tasks', true),
+	('heartbeat_tasks', true),
+	('mark_store_gone', true),
+	('platform_answered', true),
+	('platform_error', true),
+	('platform_release', true),
+	('platform_request', true),
+	('prune_completion_log', true),
+	('prune_product_history', true),
+	('prune_tasks', true),
+	('prune_workers', true),
+	('recover_stale_tasks', true),
+	('recover_stale_tasks_report', true),
+	('refresh_store_analytics', true),
+	('refresh_task_completion_log', true),
+	('register_worker', true),
+	('repair_platform_counters', true),
+	('save_entry_point', true),
+	('start_task', true),
+	('start_tasks', true),
+	('store_menu', true),
+	('task_still_owned', true),
+	('upsert_listed_stores', true),
+	('worker_completed', true),
+	('update_worker_tasks_timestamp', true),
+	('register_worker_session', true),
+	('release_dead_workers', true),
+	('worker_sessions', true),
+	('cancel_task', false),
+	('sync_platform_limits', false),
+	('platform_pause', false),
+	('platform_resume', false);
 
 
 --
@@ -4571,7 +5032,7 @@ CREATE TRIGGER worker_tasks_zplatforms_deleted AFTER DELETE ON public.worker_tas
 -- Name: worker_tasks worker_tasks_zplatforms_inserted; Type: TRIGGER; Schema: public; Owner: -
 --
 
-CREATE TRIGGER worker_tasks_zplatforms_inserted AFTER INSERT ON public.worker_tasks REFERENCING NEW TABLE AS new_tasks FOR EACH STATEMENT EXECUTE FUNCTION public.tq_tasks_platforms_inserted();
+CREATE TRIGGER worker_tasks_zplatforms_inserted AFTER INSERT ON public.worker_tasks FOR EACH ROW WHEN ((((new.status)::text = ANY ((ARRAY['claimed'::character varying, 'running'::character varying])::text[])) AND (new.send_at IS NOT NULL) AND (new.platform IS NOT NULL))) EXECUTE FUNCTION public.tq_task_platform_taken();
 
 
 --

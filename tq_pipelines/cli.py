@@ -232,15 +232,40 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pause_spec(text: str) -> tuple[str, float]:
+    """NAME=SECONDS for --pause."""
+    name, sep, seconds = text.partition("=")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = float("nan")
+    if not sep or not 1 <= value <= 86_400:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=SECONDS, SECONDS from 1 to 86400")
+    return _platform_name(name), value
+
+
 def _cmd_platforms(args: argparse.Namespace) -> int:
     """Each platform's fleet-wide limits and state; with --sync, loaded from the platforms file first."""
     path: str | None = args.file or os.environ.get("TQ_PLATFORMS_FILE")
     if args.sync and not path:
         raise CommandError("--sync needs a platforms file: give --file or set TQ_PLATFORMS_FILE")
-    with TaskQueue.connect(_database(start=args.sync)) as queue:
-        if args.sync and path:
-            changed = sync_limits(queue, load_platform_settings(path))
-            print(f"limits loaded from {path}: {changed} platform(s) changed")
+    acts = args.sync or args.pause or args.resume
+    with TaskQueue.connect(_database(start=bool(acts))) as queue:
+        try:
+            if args.sync and path:
+                changed = sync_limits(queue, load_platform_settings(path))
+                print(f"limits loaded from {path}: {changed} platform(s) changed")
+            for name, seconds in args.pause or ():
+                until = queue.platform_pause(name, seconds, args.reason or "paused by hand (tq platforms)")
+                print(f"{name} paused until {until:%Y-%m-%d %H:%M:%S %Z}")
+            for name in args.resume or ():
+                queue.platform_resume(name)
+                print(f"{name} resumed")
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise CommandError(
+                f"{_reason(exc)}: loading limits, pausing and resuming are the admin's acts; "
+                "run this with the admin's TQ_DATABASE_URL (the role tq grant names --admin-role)"
+            ) from None
         rows = queue.platform_status()
     header = ("platform", "state", "in flight", "req/s", "burst", "pause left", "errors", "pause reason")
     print("{:<16}{:<9}{:>11}{:>8}{:>7}{:>12}{:>8}  {}".format(*header))
@@ -654,6 +679,17 @@ def build_parser() -> argparse.ArgumentParser:
     plat = sub.add_parser("platforms", help="each platform's fleet-wide limits, in flight, pause and errors")
     plat.add_argument("--sync", action="store_true", help="load the limits from the platforms file first")
     plat.add_argument("--file", help="the platforms file (default TQ_PLATFORMS_FILE)")
+    plat.add_argument(
+        "--pause",
+        type=_pause_spec,
+        action="append",
+        metavar="NAME=SECONDS",
+        help="pause a platform by hand for 1..86400 s (repeatable; the admin's)",
+    )
+    plat.add_argument("--reason", help="why, for --pause (shown in tq platforms and the sensor)")
+    plat.add_argument(
+        "--resume", type=_platform_name, action="append", metavar="NAME", help="end a platform's pause now"
+    )
     plat.set_defaults(func=_cmd_platforms)
 
     grant_cmd = sub.add_parser(

@@ -13,6 +13,11 @@ second (calendar and sliding), overall and in given time windows (an outage, say
 Besides the generic adapter's routes, ``GET /go/<path...>`` answers 302 with ``Location: /<path...>`` (the
 query string kept), so that a ``menu_path`` or ``menu_url`` under ``/go/`` makes every fetch two requests: a
 redirect hop, then the page. Outages and faults hit it as any other request.
+
+Two knobs make a platform hand out URLs that name a host (to test the crawl's allow-list of hosts): with
+``redirect_base`` set, ``/go/`` hops answer ``Location: <redirect_base>/<path...>`` (absolute), and with
+``menu_url_base`` set, a store's entry point answers ``menu_url`` ``<menu_url_base>/menus/<id>`` (absolute)
+instead of the path alone. Both may name another server, or this one by another host name.
 """
 
 import bisect
@@ -60,6 +65,9 @@ class PlatformProfile:
     outage_start_seconds: float | None = None  # a one-off outage this long after the start; None: none
     outage_retry_after_seconds: int = 30  # the Retry-After header of an outage's 503s
     seed: int = 0
+    # URLs that name a host (e.g. "http://localhost:8001"); None: paths, relative to this server.
+    redirect_base: str | None = None  # where /go/ hops send the client
+    menu_url_base: str | None = None  # what entry points prefix their menu_url with
 
 
 @dataclass
@@ -285,6 +293,8 @@ class SimulatedPlatform:
             return -1, None, {}
         if path.startswith("/go/"):  # a redirect hop to the rest of the path
             location = path[len("/go") :] + (f"?{urlencode(query, doseq=True)}" if query else "")
+            if p.redirect_base is not None:
+                location = p.redirect_base.rstrip("/") + location
             return 302, {"location": location}, {"Location": location}
         parts = [unquote(x) for x in path.strip("/").split("/")]
         if parts == ["stores"]:
@@ -306,7 +316,10 @@ class SimulatedPlatform:
                 return 404, {"error": "no such store"}, {}
             if self.is_gone(store):
                 return 410, {"error": "store closed"}, {}
-            return 200, {"platform_id": store.platform_id, "menu_url": f"/menus/{store.platform_id}"}, {}
+            menu_url = f"/menus/{store.platform_id}"
+            if p.menu_url_base is not None:
+                menu_url = p.menu_url_base.rstrip("/") + menu_url
+            return 200, {"platform_id": store.platform_id, "menu_url": menu_url}, {}
         if len(parts) == 2 and parts[0] == "menus":
             menu_store = self.by_platform_id.get(parts[1])
             if menu_store is None:

@@ -89,9 +89,11 @@ def test_tq_grant_makes_a_worker_that_drains_through_the_functions_only(
 
     with psycopg.connect(make_conninfo(db_url, user=worker_role), autocommit=True) as worker:
         worker.execute("SELECT register_worker('w1', 'product_resync', NULL, NULL, 30)")
-        claimed = worker.execute("SELECT id FROM claim_tasks('product_resync', 'w1', 10)").fetchall()
+        claimed = worker.execute(
+            "SELECT (c.task).id, c.lease FROM claim_tasks('product_resync', 'w1', 10) c"
+        ).fetchall()
         assert len(claimed) == 2
-        ok = worker.execute("SELECT complete_task(%s, 'w1', '{}')", (claimed[0][0],)).fetchone()
+        ok = worker.execute("SELECT complete_task(%s, %s, '{}')", claimed[0]).fetchone()
         assert ok == (True,)
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             worker.execute("UPDATE worker_tasks SET status = 'completed' WHERE id = %s", (claimed[1][0],))
@@ -146,3 +148,52 @@ def test_tq_prune_counts_then_deletes_old_finished_tasks_and_refuses_a_bad_horiz
     worker_tasks_line = next(line for line in pruned.stdout.splitlines() if line.startswith("worker_tasks"))
     assert "deleted          3 rows in     2 batches" in worker_tasks_line
     assert old_and_young() == (0, 3)
+
+
+def test_tq_platforms_loads_pauses_and_resumes_as_the_admin_and_the_worker_may_not(
+    db_url: str, tmp_path: Path, worker_role: str, admin_role: str
+):
+    """The admin's acts from a shell: limits and hosts loaded from the platforms file, a pause by
+    hand and its end. As the worker role each is refused in one line, and nothing changes."""
+    path = tmp_path / "platforms.toml"
+    path.write_text(
+        '[platforms.dutchie]\nbase_url = "https://menus.example.com/dutchie"\nmax_in_flight = 3\n'
+        'requests_per_second = 7\nhosts = ["menus.example.com", "cdn.example.com"]\n'
+    )
+    state = (
+        "SELECT max_in_flight, requests_per_second, hosts, paused_until IS NOT NULL, pause_reason "
+        "FROM tq_platforms"
+    )
+    loaded = tq("platforms", "--sync", "--file", str(path), url=db_url)
+    assert loaded.returncode == 0, loaded.stderr
+    assert "1 platform(s) changed" in loaded.stdout
+    paused = tq("platforms", "--pause", "dutchie=120", "--reason", "their maintenance", url=db_url)
+    assert paused.returncode == 0, paused.stderr
+    assert "dutchie paused until" in paused.stdout and "their maintenance" in paused.stdout
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert conn.execute(state).fetchall() == [
+            (3, 7, ["cdn.example.com", "menus.example.com"], True, "their maintenance")
+        ]
+
+    tq("grant", "--worker-role", worker_role, "--admin-role", admin_role, url=db_url).check_returncode()
+    as_worker = make_conninfo(db_url, user=worker_role)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        before = conn.execute(state).fetchall()
+    path.write_text(path.read_text().replace("max_in_flight = 3", "max_in_flight = 200"))
+    for args in (
+        ("--sync", "--file", str(path)),
+        ("--resume", "dutchie"),
+        ("--pause", "dutchie=86400"),
+    ):
+        refused = tq("platforms", *args, url=as_worker)
+        assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
+        assert "the admin's acts" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, args
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert conn.execute(state).fetchall() == before
+
+    resumed = tq("platforms", "--resume", "dutchie", url=db_url)
+    assert resumed.returncode == 0, resumed.stderr
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert conn.execute("SELECT paused_until FROM tq_platforms").fetchone() == (None,)
+    bad = tq("platforms", "--pause", "dutchie=0", url=db_url)
+    assert bad.returncode == 2 and "SECONDS from 1 to 86400" in bad.stderr

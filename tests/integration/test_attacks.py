@@ -31,6 +31,7 @@ from psycopg.types.json import Jsonb
 from tests.helpers import add_stores, assert_platform_counters_consistent, assert_store_state_consistent
 from tests.integration.test_crawl_politeness import drains_at_once, platforms_file
 from tq_pipelines import cli
+from tq_pipelines.crawl.platforms import load_platform_settings, sync_limits
 from tq_pipelines.db.grant import DEFAULT_WORKER_SETTINGS, GrantError, check, grant
 from tq_pipelines.db.migrate import LOCK_KEY, MigrationError, migrate
 from tq_pipelines.queue.api import QueueInputError, TaskQueue
@@ -38,7 +39,7 @@ from tq_pipelines_demo.simulator import PlatformProfile, Simulator, politeness_r
 
 ROLE = "product_resync"
 MB = 1_048_576
-CLAIM = "SELECT id FROM claim_tasks(%s, %s, %s, true)"
+CLAIM = "SELECT (c.task).id, c.lease FROM claim_tasks(%s, %s, %s, true) c"
 
 
 # -- roles ----------------------------------------------------------------------------------------
@@ -170,16 +171,16 @@ def test_enqueues_with_no_or_another_platform_keep_the_stores_limits(
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
                     ids = [
-                        r[0]
+                        (r[0], r[1])
                         for role in ("product_resync", "store_discovery")
                         for r in w.execute(CLAIM, (role, f"w-{n}", 5)).fetchall()
                     ]
                     samples.append(w.execute(AUDIT).fetchone())
                     if ids:
                         time.sleep(0.1)
-                        for task_id in ids:
+                        for task_id, lease in ids:
                             assert w.execute(
-                                "SELECT complete_task(%s, %s, '{}')", (task_id, f"w-{n}")
+                                "SELECT complete_task(%s, %s, '{}')", (task_id, lease)
                             ).fetchone()
                     elif w.execute(
                         "SELECT count(*) FROM worker_tasks WHERE status <> 'completed'"
@@ -231,7 +232,7 @@ def test_a_store_that_changes_platform_takes_its_pending_tasks_and_waits_for_its
     moved, busy = add_stores(conn, 2)
     with worker.connect() as w:
         w.execute("SELECT enqueue_task(%s, %s)", (ROLE, busy))
-        [(active,)] = w.execute(CLAIM, (ROLE, "w-1", 5)).fetchall()
+        [(active, lease)] = w.execute(CLAIM, (ROLE, "w-1", 5)).fetchall()
         for role in ("product_resync", "product_discovery"):
             w.execute("SELECT enqueue_task(%s, %s)", (role, moved))
 
@@ -259,7 +260,7 @@ def test_a_store_that_changes_platform_takes_its_pending_tasks_and_waits_for_its
             "INSERT INTO worker_tasks (role, dispensary_id, platform) VALUES (%s, %s, 'jane')", (ROLE, busy)
         )
     with worker.connect() as w:
-        assert w.execute("SELECT complete_task(%s, 'w-1', '{}')", (active,)).fetchone() == (True,)
+        assert w.execute("SELECT complete_task(%s, %s, '{}')", (active, lease)).fetchone() == (True,)
     conn.execute("UPDATE dispensaries SET menu_type = 'jane' WHERE id = %s", (busy,))
     assert conn.execute(
         "SELECT status, platform FROM worker_tasks WHERE dispensary_id = %s ORDER BY id", (busy,)
@@ -279,7 +280,8 @@ def test_worker_completed_with_a_huge_count_leaves_the_victims_count_right(
         victim.execute("SELECT register_worker('victim', %s, NULL, NULL, 30)", (ROLE,))
         for s in stores:
             victim.execute("SELECT enqueue_task(%s, %s)", (ROLE, s))
-        ids = [r[0] for r in victim.execute(CLAIM, (ROLE, "victim", 3)).fetchall()]
+        held = victim.execute(CLAIM, (ROLE, "victim", 3)).fetchall()
+        ids, leases = [r[0] for r in held], [r[1] for r in held]
         assert len(ids) == 3
 
         error = refused(attacker, "SELECT worker_completed('victim', %s)", (2**31 - 1 - 2,))
@@ -292,9 +294,9 @@ def test_worker_completed_with_a_huge_count_leaves_the_victims_count_right(
         conn.execute(
             "UPDATE worker_registry SET tasks_completed = %s WHERE worker_id = 'victim'", (2**31 - 2,)
         )
-        assert victim.execute("SELECT complete_task(%s, 'victim', '{}')", (ids[0],)).fetchone() == (True,)
+        assert victim.execute("SELECT complete_task(%s, %s, '{}')", held[0]).fetchone() == (True,)
         assert victim.execute(
-            "SELECT complete_tasks('victim', %s, %s::JSONB[])", (ids[1:], ["{}", "{}"])
+            "SELECT complete_tasks(%s, %s, %s::JSONB[])", (ids[1:], leases[1:], ["{}", "{}"])
         ).fetchone() == (sorted(ids[1:]),)
     assert conn.execute(
         "SELECT tasks_completed FROM worker_registry WHERE worker_id = 'victim'"
@@ -317,11 +319,13 @@ def test_payloads_and_results_over_1_mb_are_refused_in_words(worker: Worker, con
         assert conn.execute("SELECT count(*) FROM worker_tasks").fetchone() == (0,)
 
         w.execute("SELECT enqueue_task('analytics_refresh') FROM generate_series(1, 2)")
-        first, second = sorted(r[0] for r in w.execute(CLAIM, ("analytics_refresh", "w-1", 2)).fetchall())
+        (first, first_lease), (second, second_lease) = sorted(
+            w.execute(CLAIM, ("analytics_refresh", "w-1", 2)).fetchall()
+        )
         for statement, params in (
-            ("SELECT complete_task(%s, 'w-1', %s)", (first, huge)),
-            ("SELECT complete_task_tx(%s, 'w-1', %s)", (first, huge)),
-            ("SELECT complete_tasks('w-1', %s, %s)", ([first], [huge])),
+            ("SELECT complete_task(%s, %s, %s)", (first, first_lease, huge)),
+            ("SELECT complete_task_tx(%s, %s, %s)", (first, first_lease, huge)),
+            ("SELECT complete_tasks(%s, %s, %s)", ([first], [first_lease], [huge])),
         ):
             error = refused(w, statement, params)
             assert "result must be at most 1 MB (1048576 bytes), got 200000" in str(error), statement
@@ -331,11 +335,11 @@ def test_payloads_and_results_over_1_mb_are_refused_in_words(worker: Worker, con
         )
         # Under the cap, as before.
         assert w.execute(
-            "SELECT complete_task(%s, 'w-1', %s)", (first, Jsonb({"blob": "y" * (MB - 1000)}))
+            "SELECT complete_task(%s, %s, %s)", (first, first_lease, Jsonb({"blob": "y" * (MB - 1000)}))
         ).fetchone() == (True,)
         # A 20 MB error text is harmless: kept to its first 8192 characters, the cut marked.
         assert w.execute(
-            "SELECT fail_task(%s, 'w-1', %s, false, NULL)", (second, "e" * 20_000_000)
+            "SELECT fail_task(%s, %s, %s, false, NULL)", (second, second_lease, "e" * 20_000_000)
         ).fetchone() == ("failed",)
     [(length, tail)] = conn.execute(
         "SELECT length(error_message), right(error_message, 40) FROM worker_tasks WHERE id = %s", (second,)
@@ -343,13 +347,19 @@ def test_payloads_and_results_over_1_mb_are_refused_in_words(worker: Worker, con
     assert length == 8192 and tail.endswith("[... cut: 19,991,808 more characters]")
 
 
-def test_a_sync_of_20000_platforms_is_refused_and_changes_nothing(worker: Worker, conn: psycopg.Connection):
+def test_a_sync_is_the_admins_and_one_of_20000_platforms_is_refused(worker: Worker, conn: psycopg.Connection):
+    """Was: any worker rewrote the fleet's limits (max_in_flight 10000), and 20,000 platforms in
+    one sync were taken. Now the worker may not sync at all; the admin's sync is capped."""
     sync(conn, [{"platform": "dutchie", "max_in_flight": 2, "requests_per_second": 5}])
     snapshot = "SELECT array_agg(l ORDER BY platform) FROM tq_platforms l"
     before = conn.execute(snapshot).fetchone()
     many = [{"platform": f"p{n}", "max_in_flight": 1, "requests_per_second": 1} for n in range(20_000)]
     with worker.connect() as w:
-        error = refused(w, "SELECT sync_platform_limits(%s)", (Jsonb(many),))
+        for limits in (many, [{"platform": "dutchie", "max_in_flight": 10_000, "requests_per_second": 5}]):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                w.execute("SELECT sync_platform_limits(%s)", (Jsonb(limits),))
+    assert conn.execute(snapshot).fetchone() == before
+    error = refused(conn, "SELECT sync_platform_limits(%s)", (Jsonb(many),))
     assert "limits must list at most 1000 platforms, got 20000 platforms" in str(error)
     assert conn.execute(snapshot).fetchone() == before
     # Nor do syncs add up past it.
@@ -565,10 +575,11 @@ LIMITS = {"max_in_flight": 2, "requests_per_second": 20, "burst": 2}
 
 
 def test_a_crawl_of_tasks_enqueued_with_no_wrong_or_right_platform_keeps_the_limits_at_the_servers(
-    worker: Worker, conn: psycopg.Connection, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    worker: Worker, conn: psycopg.Connection, db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """Three drain runs at once, as the worker, each with its own HTTP client; the simulator's
-    servers count what arrives: never more than max_in_flight at once."""
+    servers count what arrives: never more than max_in_flight at once. The admin loads the
+    limits (the deploy step, `tq platforms --sync`); the worker's runs work with them."""
     for name in ("TQ_PLATFORMS_FILE", "TQ_HANDLERS", "TQ_ROLE_CAPS", "TQ_ALERT_WEBHOOK_URL"):
         monkeypatch.delenv(name, raising=False)
     common = {"stores": 12, "latency_ms": 120, "jitter": 0.3, "change_seconds": 86_400, "seed": 5}
@@ -578,6 +589,8 @@ def test_a_crawl_of_tasks_enqueued_with_no_wrong_or_right_platform_keeps_the_lim
             tmp_path, sim, {n: {**LIMITS, "timeout_seconds": 5} for n in ("dutchie", "jane")}
         )
         other = {"dutchie": "jane", "jane": "dutchie"}
+        with TaskQueue.connect(db_url) as admin:
+            assert sync_limits(admin, load_platform_settings(path)) == 2
         with TaskQueue.connect(worker.url) as queue:
             n = 0
             for name, platform in sim.platforms.items():

@@ -25,6 +25,7 @@ from tq_pipelines.queue.api import (
     RESYNC_DAYS_BACK,
     PlatformLimits,
     QueueInputError,
+    Task,
     TaskQueue,
     resync_window,
 )
@@ -37,15 +38,29 @@ LONG_ID = "w" * 101
 
 @dataclass
 class Scene:
-    """A queue with work in it: two dutchie stores with limits, a claimed task, a worker."""
+    """A queue with work in it: dutchie stores with limits, a worker holding a task of one of
+    them (``held``) and the tasks its handlers' writes act on: a product_resync task of no store
+    (``storeless``), and store_discovery tasks whose platform is dutchie, none, empty or 51
+    characters long (``listings``)."""
 
     conn: psycopg.Connection
     queue: TaskQueue
     stores: list[int]
-    claimed: int
+    held: Task
+    storeless: Task
+    listings: dict[str | None, Task]
+
+    @property
+    def claimed(self) -> int:
+        return self.held.id
 
     def sql(self, statement: str, *params: Any) -> Any:
         return self.conn.execute(statement, params).fetchall()
+
+
+# The platform a store_discovery task lists on: its own, else its payload's. Only dutchie can be
+# enqueued; the others are written by hand, as a bad row could be.
+LISTING_PLATFORMS: tuple[str | None, ...] = ("dutchie", None, "", "p" * 51)
 
 
 def build_scene(conn: psycopg.Connection, queue: TaskQueue) -> Scene:
@@ -55,7 +70,23 @@ def build_scene(conn: psycopg.Connection, queue: TaskQueue) -> Scene:
     for store in stores:
         queue.enqueue(ROLE, store, platform="dutchie")
     (task,) = queue.claim_many(ROLE, "holder", 1)
-    return Scene(conn, queue, stores, task.id)
+    assert task.dispensary_id == stores[0]
+    # Ahead of the stores' tasks, so that the next claim takes it.
+    queue.enqueue(ROLE, priority=1000)
+    (storeless,) = queue.claim_many(ROLE, "holder", 1)
+    assert storeless.dispensary_id is None
+    listing_ids = {}
+    for platform in LISTING_PLATFORMS:
+        payload = {"scene": True} if platform is None else {"scene": True, "platform": platform}
+        (listing_ids[platform],) = conn.execute(
+            "INSERT INTO worker_tasks (role, payload) VALUES ('store_discovery', %s) RETURNING id",
+            (Jsonb(payload),),
+        ).fetchone()
+    by_id = {t.id: t for t in queue.claim_many("store_discovery", "holder", 10)}
+    assert set(by_id) == set(listing_ids.values())
+    listings = {platform: by_id[i] for platform, i in listing_ids.items()}
+    assert listings["dutchie"].platform == "dutchie"
+    return Scene(conn, queue, stores, task, storeless, listings)
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +123,15 @@ def snapshot(conn: psycopg.Connection) -> dict[str, list[Any]]:
     }
 
 
-def upsert(s: Scene, platform: Any, stores: Any) -> Any:
-    return s.sql("SELECT * FROM upsert_listed_stores(%s, %s)", platform, stores)
+def upsert(s: Scene, platform: str | None, stores: Any) -> Any:
+    """A listing by the held store_discovery task of ``platform``: it lists on its platform."""
+    task = s.listings[platform]
+    return s.sql("SELECT * FROM upsert_listed_stores(%s, %s, %s)", task.id, task.lease_token, stores)
 
 
-def store_menu(s: Scene, store: int, menu_hash: Any, products: Any) -> Any:
-    return s.sql("SELECT * FROM store_menu(%s, %s, %s)", store, menu_hash, products)
+def store_menu(s: Scene, task: Task, menu_hash: Any, products: Any) -> Any:
+    """The menu of the store of ``task``, a held product task."""
+    return s.sql("SELECT * FROM store_menu(%s, %s, %s, %s)", task.id, task.lease_token, menu_hash, products)
 
 
 def product(**changes: Any) -> dict[str, Any]:
@@ -283,24 +317,24 @@ BAD: dict[str, Bad] = {
     "claim-max-tasks-past-int32": Bad(
         lambda s: s.queue.claim_many(ROLE, "w", 2**40), PYTHON, ("max_tasks", str(2**40))
     ),
-    "defer-nan": Bad(
-        lambda s: s.queue.defer(s.claimed, "holder", math.nan), PYTHON, ("delay_seconds", "NaN")
-    ),
+    "defer-nan": Bad(lambda s: s.queue.defer(s.held, math.nan), PYTHON, ("delay_seconds", "NaN")),
     "fail-retry-after-nan": Bad(
-        lambda s: s.queue.fail(s.claimed, "holder", "x", retry_after=math.nan), PYTHON, ("retry_after", "NaN")
+        lambda s: s.queue.fail(s.held, "x", retry_after=math.nan), PYTHON, ("retry_after", "NaN")
     ),
     "complete-result-nan": Bad(
-        lambda s: s.queue.complete(s.claimed, "holder", {"n": math.inf}),
+        lambda s: s.queue.complete(s.held, {"n": math.inf}),
         PYTHON,
         ("result", "NaN or infinity"),
     ),
     "complete-times-nan": Bad(
-        lambda s: s.queue.complete_many_json("holder", {s.claimed: "{}"}, {s.claimed: (0.0, math.nan)}),
+        lambda s: s.queue.complete_many_json({s.held.lease: "{}"}, {s.claimed: (0.0, math.nan)}),
         PYTHON,
         ("times", "nan"),
     ),
     "complete-arrays-of-two-lengths": Bad(
-        lambda s: s.sql("SELECT complete_tasks('holder', %s, ARRAY['{}', '{}']::jsonb[])", [s.claimed]),
+        lambda s: s.sql(
+            "SELECT complete_tasks(%s, %s, ARRAY['{}', '{}']::jsonb[])", [s.claimed], [s.held.lease_token]
+        ),
         SERVER,
         ("1 task ids", "2 results"),
     ),
@@ -352,6 +386,9 @@ BAD: dict[str, Bad] = {
         ("max_in_flight", "2.5"),
     ),
     # -- the crawl's writes ------------------------------------------------------------------------
+    "listing-no-platform": Bad(
+        lambda s: upsert(s, None, Jsonb([{"id": "s1"}])), SERVER, ("platform", "NULL")
+    ),
     "listing-empty-platform": Bad(lambda s: upsert(s, "", Jsonb([{"id": "s1"}])), SERVER, ("platform", "''")),
     "listing-platform-51-characters": Bad(
         lambda s: upsert(s, "p" * 51, Jsonb([{"id": "s1"}])), SERVER, ("platform", "51 characters")
@@ -363,37 +400,37 @@ BAD: dict[str, Bad] = {
         lambda s: upsert(s, "dutchie", Jsonb([{"id": ""}])), SERVER, ("non-empty id",)
     ),
     "menu-no-store": Bad(
-        lambda s: store_menu(s, 987_654, "h", Jsonb([product()])), SERVER, ("dispensary_id", "987654")
+        lambda s: store_menu(s, s.storeless, "h", Jsonb([product()])), SERVER, ("dispensary_id", "NULL")
     ),
     "menu-empty-hash": Bad(
-        lambda s: store_menu(s, s.stores[0], "", Jsonb([product()])), SERVER, ("menu_hash", "''")
+        lambda s: store_menu(s, s.held, "", Jsonb([product()])), SERVER, ("menu_hash", "''")
     ),
     "menu-not-an-array": Bad(
-        lambda s: store_menu(s, s.stores[0], "h", Jsonb(product())), SERVER, ("products", '"id": "p1"')
+        lambda s: store_menu(s, s.held, "h", Jsonb(product())), SERVER, ("products", '"id": "p1"')
     ),
     "menu-negative-price": Bad(
-        lambda s: store_menu(s, s.stores[0], "h", Jsonb([product(price="-1")])),
+        lambda s: store_menu(s, s.held, "h", Jsonb([product(price="-1")])),
         SERVER,
         ("price", "-1", "'p1'"),
     ),
     "menu-price-past-numeric-10-2": Bad(
-        lambda s: store_menu(s, s.stores[0], "h", Jsonb([product(price=1e9)])),
+        lambda s: store_menu(s, s.held, "h", Jsonb([product(price=1e9)])),
         SERVER,
         ("price", "1000000000"),
     ),
     "menu-no-name": Bad(
-        lambda s: store_menu(s, s.stores[0], "h", Jsonb([product(name=...)])), SERVER, ("no name",)
+        lambda s: store_menu(s, s.held, "h", Jsonb([product(name=...)])), SERVER, ("no name",)
     ),
     "menu-in-stock-missing": Bad(
-        lambda s: store_menu(s, s.stores[0], "h", Jsonb([product(in_stock=...)])),
+        lambda s: store_menu(s, s.held, "h", Jsonb([product(in_stock=...)])),
         SERVER,
         ("in_stock", "missing"),
     ),
     "menu-thc-over-100": Bad(
-        lambda s: store_menu(s, s.stores[0], "h", Jsonb([product(thc="101")])), SERVER, ("thc", "101")
+        lambda s: store_menu(s, s.held, "h", Jsonb([product(thc="101")])), SERVER, ("thc", "101")
     ),
     "menu-duplicate-id": Bad(
-        lambda s: store_menu(s, s.stores[0], "h", Jsonb([product(), product()])),
+        lambda s: store_menu(s, s.held, "h", Jsonb([product(), product()])),
         SERVER,
         ("each id once", "'p1'"),
     ),

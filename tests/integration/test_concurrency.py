@@ -67,8 +67,8 @@ def test_32_workers_drain_adjacent_tasks_exactly_once(
                     assert len({t.dispensary_id for t in tasks}) == len(tasks)
                     assert {t.status for t in tasks} == {"running" if start else "claimed"}
                     if not start:
-                        assert queue.start_many(worker_id, ids) == set(ids)
-                    done = queue.complete_many(worker_id, {i: {"by": worker_id} for i in ids})
+                        assert queue.start_many(tasks) == set(ids)
+                    done = queue.complete_many({t.lease: {"by": worker_id} for t in tasks})
                     completed[n].extend(done)
             except BaseException as exc:
                 errors.append(exc)

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import dagster as dg
 import psycopg
@@ -36,7 +37,7 @@ from tq_pipelines.defs.schedules import (
 from tq_pipelines.defs.sensors.alerts import HealthThresholds, queue_health_sensor
 from tq_pipelines.queue.api import TaskQueue
 from tq_pipelines_demo.dagster import demo_crawl_job, demo_crawl_schedule
-from tq_pipelines_demo.simulator import REGIONS, PlatformProfile, Simulator
+from tq_pipelines_demo.simulator import REGIONS, PlatformProfile, Simulator, platforms_toml
 
 PLATFORMS = ("dutchie", "jane")
 STORES = 12  # per platform: four per region
@@ -203,6 +204,10 @@ def test_a_whole_crawl_pass_through_dagster_runs(
     # store_discovery: every store listed, with a dispensaries row, a crawl state and a task.
     result = drain(db_url, "store_discovery", path)
     assert_drained(result, len(PLATFORMS) * len(REGIONS), AUTO_CONCURRENCY)
+    # The run loaded the file's limits, and each platform's hosts: its base URL's (none given).
+    assert conn.execute("SELECT platform, hosts FROM tq_platforms ORDER BY platform").fetchall() == [
+        (p, ["127.0.0.1"]) for p in PLATFORMS
+    ]
     listings = conn.execute(
         "SELECT result FROM worker_tasks WHERE role = 'store_discovery' AND status = 'completed'"
     ).fetchall()
@@ -339,6 +344,67 @@ def test_a_whole_crawl_pass_through_dagster_runs(
     assert len(tasks_of(conn, "entry_point_discovery")) == len(fleet)
 
 
+def test_the_platforms_files_hosts_reach_the_queue_through_the_drain_runs(
+    db_url: str, conn: psycopg.Connection, simulate: Callable[..., Simulator], tmp_path: Path
+):
+    """Both platforms' entry points answer absolute menu URLs naming their server as
+    ``localhost``. dutchie's ``hosts`` in the platforms file list it: the drain run loads them into
+    tq_platforms.hosts, the URLs are saved and the menus fetched. jane has no ``hosts`` (its base
+    URL's host only): its entry points fail, nothing saved, and its menus are never asked for."""
+    sim = simulate()
+    for platform in sim.platforms.values():
+        platform.profile.menu_url_base = f"http://localhost:{urlsplit(platform.base_url).port}"
+    limits = {"max_in_flight": MAX_IN_FLIGHT, "requests_per_second": 500, "timeout_seconds": 5}
+    path = write_platforms(
+        tmp_path,
+        platforms_toml(
+            {"dutchie": sim.platforms["dutchie"].base_url}, **limits, hosts=["localhost", "127.0.0.1"]
+        )
+        + "\n"
+        + platforms_toml({"jane": sim.platforms["jane"].base_url}, **limits),
+    )
+
+    assert run_job(enqueue_store_discovery_job, db_url, platforms_file=path).success
+    assert_drained(drain(db_url, "store_discovery", path), len(PLATFORMS) * len(REGIONS), AUTO_CONCURRENCY)
+    assert conn.execute("SELECT platform, hosts FROM tq_platforms ORDER BY platform").fetchall() == [
+        ("dutchie", ["127.0.0.1", "localhost"]),
+        ("jane", ["127.0.0.1"]),
+    ]
+
+    conn.execute("UPDATE worker_tasks SET max_retries = 0 WHERE role = 'entry_point_discovery'")
+    result = drain(db_url, "entry_point_discovery", path)
+    assert_drained(result, 2 * STORES, AUTO_CONCURRENCY, completed=STORES, failed=STORES)
+    resolved = conn.execute(
+        "SELECT c.platform, c.directory_id, d.platform_dispensary_id, c.menu_url, t.status, t.error_message "
+        "FROM store_crawl_state c JOIN dispensaries d ON d.id = c.dispensary_id "
+        "JOIN worker_tasks t ON t.dispensary_id = d.id AND t.role = 'entry_point_discovery'"
+    ).fetchall()
+    assert len(resolved) == 2 * STORES
+    for platform, directory_id, platform_id, menu_url, status, error in resolved:
+        store = sim.platforms[platform].stores[directory_id]
+        base = sim.platforms[platform].profile.menu_url_base
+        if platform == "dutchie":
+            assert (platform_id, menu_url, status) == (
+                store.platform_id,
+                f"{base}/menus/{store.platform_id}",
+                "completed",
+            )
+        else:
+            assert (platform_id, menu_url, status) == (None, None, "failed")
+            assert f"save_entry_point: menu_url {base}/... is not on the hosts of platform" in error, error
+            assert "(127.0.0.1)" in error and store.platform_id not in error, error
+    jane_requests = sim.platforms["jane"].stats.requests
+    assert jane_requests == len(REGIONS) + STORES  # its listings and entry points
+
+    result = drain(db_url, "product_discovery", path)
+    assert_drained(result, STORES, AUTO_CONCURRENCY)
+    assert conn.execute(
+        "SELECT DISTINCT d.menu_type FROM products p JOIN dispensaries d ON d.id = p.dispensary_id"
+    ).fetchall() == [("dutchie",)]
+    assert sim.platforms["dutchie"].stats.answers[200] == len(REGIONS) + 2 * STORES  # and its menus
+    assert sim.platforms["jane"].stats.requests == jane_requests
+
+
 # -- 2. runs that must fail before touching a task -----------------------------------------------
 
 
@@ -450,7 +516,8 @@ def test_analytics_refresh_drains_without_platform_settings(
         {"id": "b", "name": "B", "brand": None, "category": "vape", "price": "20.00", "thc": None,
          "cbd": None, "in_stock": False},
     ]  # fmt: skip
-    conn.execute("SELECT * FROM store_menu(%s, 'hash', %s)", (store, Jsonb(products)))
+    # Setup only: the body behind store_menu (which a held task's lease calls), as the superuser.
+    conn.execute("SELECT * FROM tq_store_menu(%s, 'hash', %s)", (store, Jsonb(products)))
     queue.enqueue("analytics_refresh")
     path = write_platforms(tmp_path, BAD_FILES["unknown key"][0]) if with_file else None
 
@@ -493,7 +560,7 @@ def test_store_discovery_is_enqueued_once_per_platform_and_region_while_queued(
     running = queue.claim("store_discovery", "someone")
     done = queue.claim("store_discovery", "someone-else")
     assert running is not None and done is not None
-    assert queue.complete(done.id, "someone-else", {"listed": 0})
+    assert queue.complete(done, {"listed": 0})
     third = run_job(enqueue_store_discovery_job, db_url, platforms_file=path)
     assert third.success, failure_text(third)
     assert op_metadata(third, "enqueue_store_discovery_tasks")["created"] == 1
@@ -529,7 +596,7 @@ def test_analytics_refresh_is_enqueued_once_while_queued(
     assert task is not None
     result = run_job(enqueue_analytics_refresh_job, db_url)
     assert op_metadata(result, "enqueue_analytics_refresh_task")["created"] == 0
-    assert queue.complete(task.id, "refresher", {})
+    assert queue.complete(task, {})
     result = run_job(enqueue_analytics_refresh_job, db_url)
     assert op_metadata(result, "enqueue_analytics_refresh_task")["created"] == 1
     assert status_counts(conn) == {"completed": 1, "pending": 1}

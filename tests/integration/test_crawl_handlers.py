@@ -4,12 +4,14 @@ history is written only for changes; every failure class ends its task the right
 politeness limits hold on the server's side; a handler that lost its lease writes nothing."""
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from datetime import timedelta
@@ -25,7 +27,7 @@ from psycopg.rows import dict_row
 
 from tests.helpers import assert_store_state_consistent, status_counts
 from tq_pipelines.crawl.handlers import HANDLERS, enqueue_store_discovery
-from tq_pipelines.crawl.platforms import CrawlServices, PlatformSettings, load_platform_settings
+from tq_pipelines.crawl.platforms import CrawlServices, PlatformSettings, load_platform_settings, sync_limits
 from tq_pipelines.queue.api import Task, TaskQueue
 from tq_pipelines.queue.worker import DrainStats, LeaseLostError, TaskContext, Worker
 from tq_pipelines_demo.simulator import REGIONS, PlatformProfile, SimulatedPlatform, Simulator
@@ -868,6 +870,156 @@ def test_menu_is_normalised_before_it_is_stored(
     }
 
 
+# -- 3b. URLs a platform hands back stay on its hosts --------------------------------------------
+
+
+def loopback_clone(profile: PlatformProfile) -> SimulatedPlatform:
+    """A server of the same stores and menus as ``profile``'s, on 127.0.0.1 like the simulator's:
+    reached by the name ``localhost``, it is another host to the crawl's allow-list (which holds
+    host names, not addresses), and it counts every request that reaches it."""
+    return SimulatedPlatform(dataclasses.replace(profile)).start()
+
+
+def test_a_redirect_to_another_host_is_refused_before_it_is_requested(
+    conn: psycopg.Connection, queue: TaskQueue, crawl: Crawl
+):
+    """A menu whose redirect hop points at another host fails its task at once (no retry spent),
+    the error shows that URL as scheme://host:port/*** only, and the other host hears nothing.
+    With that host among the platform's hosts, the same hop is followed (the control: a request
+    there is counted)."""
+    profile = PlatformProfile("hop", stores=2, latency_ms=5, change_seconds=86_400, seed=21)
+    elsewhere = loopback_clone(profile)
+    try:
+        away = f"http://localhost:{urlsplit(elsewhere.base_url).port}"
+        profile.redirect_base = away  # GET /go/menus/<id> -> 302 http://localhost:<port>/menus/<id>
+        sim, services = crawl(profile, menu_path="/go/menus/{platform_id}")
+        hop = sim.platforms["hop"]
+        assert services.settings["hop"].allowed_hosts() == ("127.0.0.1",)
+        stores = seed_stores(conn, hop)
+        enqueue_all(queue, "product_discovery", stores, "hop")
+        stats = drain(queue, "product_discovery", services, concurrency=2)
+        assert (stats.failed, stats.retried, stats.completed) == (2, 0, 0)
+        for task in task_rows(conn, "product_discovery"):
+            assert (task["status"], task["retry_count"]) == ("failed", 0)
+            message = task["error_message"]
+            assert message.startswith(f"PermanentTaskError: refused to request {away}/***: "), message
+            assert "not on the platform's hosts (127.0.0.1)" in message, message
+            assert "/menus/" not in message and not any(s.platform_id in message for s in stores.values())
+        assert dict(hop.stats.answers) == {302: 2}  # the hops, then nothing more
+        assert elsewhere.stats.requests == 0 and elsewhere.request_log() == []
+        assert conn.execute("SELECT count(*) FROM products").fetchone() == (0,)
+        assert conn.execute("SELECT bool_and(crawl_enabled) FROM dispensaries").fetchone() == (True,)
+        assert_settled(conn)
+
+        # The control: localhost among the platform's hosts, the hop is followed and served there.
+        allowed = PlatformSettings(
+            base_url=hop.base_url,
+            menu_path="/go/menus/{platform_id}",
+            hosts=["127.0.0.1", "localhost"],
+            **FAST,
+        )
+        enqueue_all(queue, "product_discovery", stores, "hop")
+        with CrawlServices({"hop": allowed}) as followed:
+            assert drain(queue, "product_discovery", followed, concurrency=2).completed == 2
+        assert dict(hop.stats.answers) == {302: 4}
+        assert (elsewhere.stats.requests, dict(elsewhere.stats.answers)) == (2, {200: 2})
+        for dispensary_id, store in stores.items():
+            assert stored_products(conn, dispensary_id) == expected_products(elsewhere.menu(store))
+        assert_settled(conn)
+    finally:
+        elsewhere.stop()
+
+
+def test_menu_urls_stay_on_the_platforms_hosts(
+    conn: psycopg.Connection, queue: TaskQueue, crawl: Crawl, tmp_path: Path
+):
+    """Entry points that answer absolute menu URLs on another host: save_entry_point refuses them
+    (the platform's hosts, loaded by the sync, are the base URL's), showing scheme and host only,
+    and the menus are never fetched there. A menu URL stored before such checks existed is refused
+    by the HTTP client. With that host in the platforms file's ``hosts``, the sync loads it into
+    tq_platforms.hosts: the URLs are saved, and the menus fetched there."""
+    profile = PlatformProfile("menus", stores=3, latency_ms=5, change_seconds=86_400, seed=22)
+    elsewhere = loopback_clone(profile)
+    try:
+        away = f"http://localhost:{urlsplit(elsewhere.base_url).port}"
+        profile.menu_url_base = away  # entry points answer menu_url http://localhost:<port>/menus/<id>
+        sim, services = crawl(profile)
+        platform = sim.platforms["menus"]
+        sync_limits(queue, services.settings)
+        assert conn.execute("SELECT platform, hosts FROM tq_platforms").fetchall() == [
+            ("menus", ["127.0.0.1"])
+        ]
+
+        enqueue_store_discovery(queue, services.settings)
+        assert drain(queue, "store_discovery", services).completed == len(REGIONS)
+        conn.execute("UPDATE worker_tasks SET max_retries = 0 WHERE role = 'entry_point_discovery'")
+        stats = drain(queue, "entry_point_discovery", services)
+        assert (stats.failed, stats.completed) == (3, 0)
+        for task in task_rows(conn, "entry_point_discovery"):
+            message = task["error_message"]
+            assert task["status"] == "failed"
+            assert f"save_entry_point: menu_url {away}/... is not on the hosts of platform" in message, (
+                message
+            )
+            assert message.endswith("(127.0.0.1)"), message
+            assert "/menus/" not in message
+        assert conn.execute(
+            "SELECT count(*) FROM dispensaries d JOIN store_crawl_state c ON c.dispensary_id = d.id"
+            " WHERE d.platform_dispensary_id IS NULL AND c.menu_url IS NULL AND c.resolved_at IS NULL"
+        ).fetchone() == (3,)
+        assert conn.execute(
+            "SELECT count(*) FROM worker_tasks WHERE role = 'product_discovery'"
+        ).fetchone() == (0,)
+        assert elsewhere.stats.requests == 0
+
+        # Such a URL stored by hand (as before the hosts were checked): the client refuses it.
+        [(victim, directory_id)] = conn.execute(
+            "SELECT dispensary_id, directory_id FROM store_crawl_state ORDER BY dispensary_id LIMIT 1"
+        ).fetchall()
+        store = platform.stores[directory_id]
+        conn.execute(
+            "UPDATE dispensaries SET platform_dispensary_id = %s WHERE id = %s", (store.platform_id, victim)
+        )
+        conn.execute(
+            "UPDATE store_crawl_state SET menu_url = %s WHERE dispensary_id = %s",
+            (f"{away}/menus/{store.platform_id}?key=s3cret", victim),
+        )
+        task_id = queue.enqueue("product_discovery", victim, platform="menus")
+        assert drain(queue, "product_discovery", services).failed == 1
+        failed = queue.get(task_id)
+        assert (failed.status, failed.retry_count) == ("failed", 0)
+        assert f"refused to request {away}/***" in failed.error_message
+        assert "s3cret" not in failed.error_message and store.platform_id not in failed.error_message
+        assert elsewhere.stats.requests == 0
+        conn.execute("UPDATE store_crawl_state SET menu_url = NULL WHERE dispensary_id = %s", (victim,))
+
+        # localhost among the platform's hosts, in the platforms file: loaded by the sync.
+        path = tmp_path / "hosts.toml"
+        path.write_text(sim.platforms_toml(**FAST, hosts=["localhost", "127.0.0.1"]))
+        settings = load_platform_settings(path)
+        assert settings["menus"].allowed_hosts() == ("127.0.0.1", "localhost")
+        assert sync_limits(queue, settings) == 1
+        assert conn.execute("SELECT hosts FROM tq_platforms WHERE platform = 'menus'").fetchone() == (
+            ["127.0.0.1", "localhost"],
+        )
+        with CrawlServices(settings) as allowed:
+            for (dispensary_id,) in conn.execute("SELECT id FROM dispensaries ORDER BY id").fetchall():
+                queue.enqueue("entry_point_discovery", dispensary_id, platform="menus")
+            assert drain(queue, "entry_point_discovery", allowed).completed == 3
+            saved = dict(conn.execute("SELECT directory_id, menu_url FROM store_crawl_state").fetchall())
+            assert saved == {d: f"{away}/menus/{s.platform_id}" for d, s in platform.stores.items()}
+            assert drain(queue, "product_discovery", allowed).completed == 3
+        assert (elsewhere.stats.requests, dict(elsewhere.stats.answers)) == (3, {200: 3})
+        for dispensary_id, directory_id in conn.execute(
+            "SELECT dispensary_id, directory_id FROM store_crawl_state"
+        ).fetchall():
+            menu = elsewhere.menu(elsewhere.stores[directory_id])
+            assert stored_products(conn, dispensary_id) == expected_products(menu)
+        assert_settled(conn)
+    finally:
+        elsewhere.stop()
+
+
 # -- 4. politeness -----------------------------------------------------------------------------
 
 
@@ -1074,26 +1226,46 @@ def test_handler_that_lost_its_lease_writes_nothing(
 def test_transaction_of_a_task_not_owned_raises_and_writes_nothing(
     conn: psycopg.Connection, queue: TaskQueue
 ):
-    """ctx.transaction() for a task another worker holds raises LeaseLostError before the body runs
-    and flags the lease lost; the owner's context writes."""
+    """ctx.transaction() for a task held under another lease raises LeaseLostError before the body
+    runs and flags the lease lost, whatever worker id it names: a forged token, and the stale one
+    of a claim the task was given back from. The holder's context writes."""
     (store,) = conn.execute(
         "INSERT INTO dispensaries (name, menu_type) VALUES ('s', 'x') RETURNING id"
     ).fetchone()
     queue.enqueue("product_discovery", store, platform="x")
+    (first,) = queue.claim_many("product_discovery", "owner", 1, start=True)
+    # Given back and claimed again (by the same worker id): the first claim's lease is stale.
+    assert queue.defer(first, 0)
     (task,) = queue.claim_many("product_discovery", "owner", 1, start=True)
+    assert task.id == first.id and task.lease_token != first.lease_token
     insert = (
         "INSERT INTO products (dispensary_id, external_id, name, category, price, in_stock)"
         " VALUES (%s, %s, 'n', 'c', 1, true)"
     )
 
-    stranger = TaskContext(task, "stranger", LOG, pool=queue.pool)
-    ran: list[bool] = []
-    with pytest.raises(LeaseLostError, match="nothing written"), stranger.transaction() as cur:
-        ran.append(True)
-        cur.execute(insert, (store, "stranger"))
-    assert ran == [] and stranger.lost
-    with pytest.raises(LeaseLostError):
-        stranger.check_lease()
+    strangers = {
+        "forged": TaskContext(
+            dataclasses.replace(task, lease_token=uuid.uuid4()), "owner", LOG, pool=queue.pool
+        ),
+        "stale": TaskContext(first, "owner", LOG, pool=queue.pool),
+    }
+    for name, stranger in strangers.items():
+        ran: list[bool] = []
+        with pytest.raises(LeaseLostError, match="nothing written"), stranger.transaction() as cur:
+            ran.append(True)
+            cur.execute(insert, (store, name))
+        assert ran == [] and stranger.lost, name
+        with pytest.raises(LeaseLostError):
+            stranger.check_lease()
+        # Nor can it complete the task, in a transaction of its own.
+        with (
+            pytest.raises(LeaseLostError),
+            queue.pool.connection() as c,
+            c.cursor(row_factory=dict_row) as cur,
+        ):
+            stranger.complete(cur, {"by": name})
+    assert conn.execute("SELECT count(*) FROM products").fetchone() == (0,)
+    assert queue.get(task.id).status == "running"
 
     owner = TaskContext(task, "owner", LOG, pool=queue.pool)
     with owner.transaction() as cur:
@@ -1102,7 +1274,7 @@ def test_transaction_of_a_task_not_owned_raises_and_writes_nothing(
     assert conn.execute("SELECT external_id FROM products").fetchall() == [("owner",)]
 
     # Once the task is finished, not even its owner may write for it.
-    assert queue.complete(task.id, "owner", {"ok": True})
+    assert queue.complete(task, {"ok": True})
     with pytest.raises(LeaseLostError), owner.transaction() as cur:
         cur.execute(insert, (store, "late"))
     assert conn.execute("SELECT external_id FROM products").fetchall() == [("owner",)]

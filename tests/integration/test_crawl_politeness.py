@@ -420,14 +420,23 @@ def test_redirect_hops_are_requests_under_the_platforms_rate(
 # -- 5. a pause met by a handler in the middle of its task ---------------------------------------
 
 
-def pause_then_fetch(task: Task, ctx: TaskContext) -> JSON:
-    """The platform pauses (another worker met a 503 with Retry-After 30) after this task's claim
-    and before its first request; then the built-in crawl fetches the menu as usual."""
-    assert ctx.permit is not None and task.platform is not None
-    assert (
-        ctx.permit.queue.platform_error(task.platform, None, "HTTP 503 elsewhere", retry_after=30) is not None
-    )
-    return crawl_menu(task, ctx)
+def pause_then_fetch(elsewhere: list[Task]) -> Callable[[Task, TaskContext], JSON]:
+    """A handler: the platform pauses after this task's claim and before its first request
+    (another worker, holding a task of the same platform, met a 503 with Retry-After 30 and
+    reported it under its own lease, then gave its task back for a retry); then the built-in
+    crawl fetches the menu as usual. The other worker's task goes to ``elsewhere``."""
+
+    def handler(task: Task, ctx: TaskContext) -> JSON:
+        assert ctx.permit is not None and task.platform is not None
+        queue = ctx.permit.queue
+        other = queue.claim("store_discovery", "elsewhere")
+        assert other is not None and other.platform == task.platform
+        elsewhere.append(other)
+        assert queue.platform_error(other, "HTTP 503 elsewhere", retry_after=30) is not None
+        assert queue.fail(other, "HTTP 503 elsewhere", retry_after=30) == "pending"
+        return crawl_menu(task, ctx)
+
+    return handler
 
 
 def test_a_handler_meeting_a_paused_platform_defers_without_a_retry(
@@ -443,13 +452,23 @@ def test_a_handler_meeting_a_paused_platform_defers_without_a_retry(
     sync_limits(queue, settings)
     [store] = [s for s, p in add_simulated_stores(conn, queue, sim).items() if p == "dutchie"]
     conn.execute("DELETE FROM worker_tasks WHERE platform <> 'dutchie'")
+    # The other worker's task: one of dutchie's too (a platform error is reported for a held task).
+    queue.enqueue("store_discovery", platform="dutchie", payload={"platform": "dutchie"})
 
+    elsewhere: list[Task] = []
     with CrawlServices(settings) as services:
         worker = Worker(
-            queue, ROLE, pause_then_fetch, services=services, concurrency=2, platform_wait_seconds=0
+            queue,
+            ROLE,
+            pause_then_fetch(elsewhere),
+            services=services,
+            concurrency=2,
+            platform_wait_seconds=0,
         )
         stats = worker.run()
     assert (stats.claimed, stats.deferred, stats.retried, stats.failed, stats.completed) == (1, 1, 0, 0, 0)
+    [other] = elsewhere
+    assert (queue.get(other.id).status, queue.get(other.id).retry_count) == ("pending", 1)
 
     [(status, retries, error, worker_id, delay)] = conn.execute(
         "SELECT status, retry_count, error_message, worker_id, "

@@ -1,9 +1,15 @@
 """The crawl's SQL (migration 0004 and its named queries), on a migrated database: task payloads,
 enqueue_once, listing upserts, menu storage with history, analytics, Retry-After and deferral,
-and the per-platform error counts."""
+and the per-platform error counts.
+
+The handlers' writes (store_menu, mark_store_gone, save_entry_point, upsert_listed_stores) act for
+a held task, under its lease (migration 0013): their tests go through a real claim. Tests that only
+need data set up call the bodies behind them (tq_store_menu, tq_upsert_listed_stores, ...) as the
+superuser."""
 
 import threading
 import time
+import uuid
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -16,7 +22,7 @@ from psycopg.types.json import Jsonb
 from tests.helpers import add_stores, assert_store_state_consistent
 from tq_pipelines.crawl.menu import menu_hash, normalise_menu
 from tq_pipelines.db.queries import query
-from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines.queue.api import Lease, PlatformLimits, Task, TaskQueue
 
 ROLE = "product_resync"
 LOOSE = "store_discovery"  # tasks without a store
@@ -122,9 +128,9 @@ def test_enqueue_once_dedupes_pending_and_active_tasks_of_a_store(conn: psycopg.
     claimed = queue.claim(ROLE, "w")
     assert claimed is not None and claimed.id == first
     assert queue.enqueue_once(ROLE, a, payload={"day": 1, "kind": "x"}) is None  # claimed
-    assert queue.start(first, "w")
+    assert queue.start(claimed)
     assert queue.enqueue_once(ROLE, a, payload={"day": 1, "kind": "x"}) is None  # running
-    assert queue.complete(first, "w", {"ok": True})
+    assert queue.complete(claimed, {"ok": True})
     again = queue.enqueue_once(ROLE, a, payload={"day": 1, "kind": "x"})
     assert again is not None and again not in created
     got = queue.get(again)
@@ -145,8 +151,9 @@ def test_enqueue_once_dedupes_pending_and_active_tasks_of_a_store(conn: psycopg.
 def test_enqueue_once_creates_again_after_a_task_failed_or_was_cancelled(queue: TaskQueue):
     first = queue.enqueue_once(LOOSE, payload={"platform": "p"})
     assert first is not None
-    assert queue.claim(LOOSE, "w").id == first
-    assert queue.fail(first, "w", "boom", retryable=False) == "failed"
+    claimed = queue.claim(LOOSE, "w")
+    assert claimed is not None and claimed.id == first
+    assert queue.fail(claimed, "boom", retryable=False) == "failed"
     second = queue.enqueue_once(LOOSE, payload={"platform": "p"})
     assert second not in (None, first)
     assert queue.cancel(second)
@@ -217,15 +224,37 @@ def sessions_waiting_for_locks(conn: psycopg.Connection) -> int:
 # upsert_listed_stores
 # ------------------------------------------------------------------------------------------------
 
-UPSERT = "SELECT dispensary_id, directory_id, created FROM upsert_listed_stores(%s, %s) ORDER BY directory_id"
+UPSERT = (
+    "SELECT dispensary_id, directory_id, created"
+    " FROM upsert_listed_stores(%(task_id)s, %(lease)s, %(stores)s) ORDER BY directory_id"
+)
 
 
 def listing(ids: Any, region: str | None = "north") -> list[dict[str, Any]]:
     return [{"id": f"s{i:03d}", "name": f"Store {i}", "region": region} for i in ids]
 
 
-def upsert(conn: psycopg.Connection, platform: str | None, stores: list[dict[str, Any]]) -> list[tuple]:
-    return conn.execute(UPSERT, (platform, Jsonb(stores))).fetchall()
+def listing_task(queue: TaskQueue, platform: str | None, worker: str = "lister") -> Lease:
+    """A store_discovery task of ``platform``, claimed: the lease a listing is upserted under
+    (the platform is the task's). Each call a task of its own (a payload of its own)."""
+    task_id = queue.enqueue(LOOSE, platform=platform, payload={"listing": uuid.uuid4().hex})
+    task = queue.claim(LOOSE, worker)
+    assert task is not None and task.id == task_id
+    return task.lease
+
+
+def upsert(conn: psycopg.Connection, lease: Lease, stores: list[dict[str, Any]]) -> list[tuple]:
+    """upsert_listed_stores, for the store_discovery task held under ``lease``."""
+    return conn.execute(UPSERT, {**lease.params, "stores": Jsonb(stores)}).fetchall()
+
+
+def seed_listing(conn: psycopg.Connection, platform: str, stores: list[dict[str, Any]]) -> list[tuple]:
+    """Stores listed by the body behind upsert_listed_stores, for tests that only need them."""
+    return conn.execute(
+        "SELECT dispensary_id, directory_id, created FROM tq_upsert_listed_stores(%s, %s)"
+        " ORDER BY directory_id",
+        (platform, Jsonb(stores)),
+    ).fetchall()
 
 
 def crawl_state(conn: psycopg.Connection, dispensary_id: int) -> dict[str, Any]:
@@ -235,10 +264,11 @@ def crawl_state(conn: psycopg.Connection, dispensary_id: int) -> dict[str, Any]:
 
 
 def test_upsert_listed_stores_creates_new_stores_with_state_and_one_entry_point_task(
-    conn: psycopg.Connection,
+    conn: psycopg.Connection, queue: TaskQueue
 ):
+    lease = listing_task(queue, "dutchie")
     stores = [*listing([1, 2]), {"id": "s003", "name": "", "region": None}, {"id": "s004"}]
-    rows = upsert(conn, "dutchie", stores)
+    rows = upsert(conn, lease, stores)
     assert [(d, c) for _, d, c in rows] == [("s001", True), ("s002", True), ("s003", True), ("s004", True)]
     ids = [i for i, _, _ in rows]
     assert len(set(ids)) == 4
@@ -259,23 +289,29 @@ def test_upsert_listed_stores_creates_new_stores_with_state_and_one_entry_point_
         for i, d, r in zip(ids, ["s001", "s002", "s003", "s004"], ["north", "north", None, None], strict=True)
     ]
     tasks = conn.execute(
-        "SELECT role, dispensary_id, platform, status, payload FROM worker_tasks ORDER BY id"
+        "SELECT role, dispensary_id, platform, status, payload FROM worker_tasks WHERE id <> %s ORDER BY id",
+        (lease.task_id,),
     ).fetchall()
     assert sorted(tasks, key=lambda t: t[1]) == [
         ("entry_point_discovery", i, "dutchie", "pending", {}) for i in ids
     ]
+    # The listing's own task is still held: the upsert writes for it, it does not finish it.
+    assert queue.get(lease.task_id).status == "claimed"
     assert_store_state_consistent(conn)
 
 
-def test_upsert_listed_stores_again_creates_nothing_and_marks_the_stores_listed(conn: psycopg.Connection):
-    first = upsert(conn, "dutchie", listing([1, 2, 3]))
+def test_upsert_listed_stores_again_creates_nothing_and_marks_the_stores_listed(
+    conn: psycopg.Connection, queue: TaskQueue
+):
+    lease = listing_task(queue, "dutchie")
+    first = upsert(conn, lease, listing([1, 2, 3]))
     before = {i: crawl_state(conn, i) for i, _, _ in first}
     counts = conn.execute(
         "SELECT (SELECT count(*) FROM dispensaries), (SELECT count(*) FROM worker_tasks)"
     ).fetchone()
     # s002 listed without a region keeps its region; s003 moves to another one.
     again_listing = [*listing([1]), {"id": "s002", "name": "Store 2"}, *listing([3], region="south")]
-    again = upsert(conn, "dutchie", again_listing)
+    again = upsert(conn, lease, again_listing)
     assert [(i, d, c) for i, d, c in again] == [(i, d, False) for i, d, _ in first]
     assert (
         conn.execute(
@@ -290,22 +326,32 @@ def test_upsert_listed_stores_again_creates_nothing_and_marks_the_stores_listed(
         assert after["region"] == ("south" if d == "s003" else "north")
 
 
-def test_upsert_listed_stores_collapses_duplicates_and_keeps_platforms_apart(conn: psycopg.Connection):
-    rows = upsert(conn, "dutchie", [*listing([1]), *listing([2]), *listing([1]), *listing([2])])
+def test_upsert_listed_stores_collapses_duplicates_and_keeps_platforms_apart(
+    conn: psycopg.Connection, queue: TaskQueue
+):
+    dutchie, jane = listing_task(queue, "dutchie"), listing_task(queue, "jane")
+    rows = upsert(conn, dutchie, [*listing([1]), *listing([2]), *listing([1]), *listing([2])])
     assert [(d, c) for _, d, c in rows] == [("s001", True), ("s002", True)]
-    other = upsert(conn, "jane", listing([1]))
+    other = upsert(conn, jane, listing([1]))
     assert other[0][2] is True and other[0][0] not in {i for i, _, _ in rows}  # same id, other platform
     assert conn.execute("SELECT menu_type, count(*) FROM dispensaries GROUP BY 1 ORDER BY 1").fetchall() == [
         ("dutchie", 2),
         ("jane", 1),
     ]
-    assert conn.execute("SELECT count(*) FROM worker_tasks").fetchone() == (3,)
-    assert upsert(conn, "dutchie", []) == []
+    # One entry point per store, besides the two listings' own tasks.
+    assert conn.execute("SELECT role, count(*) FROM worker_tasks GROUP BY 1 ORDER BY 1").fetchall() == [
+        ("entry_point_discovery", 3),
+        ("store_discovery", 2),
+    ]
+    assert upsert(conn, dutchie, []) == []
 
 
-def test_upsert_listed_stores_re_enables_a_gone_store_but_not_one_disabled_by_hand(conn: psycopg.Connection):
-    (gone, _, _), (manual, _, _) = upsert(conn, "dutchie", listing([1, 2]))
-    conn.execute(query("mark_store_gone"), {"dispensary_id": gone, "platform": "dutchie"})
+def test_upsert_listed_stores_re_enables_a_gone_store_but_not_one_disabled_by_hand(
+    conn: psycopg.Connection, queue: TaskQueue
+):
+    lease = listing_task(queue, "dutchie")
+    (gone, _, _), (manual, _, _) = upsert(conn, lease, listing([1, 2]))
+    conn.execute("SELECT tq_mark_store_gone(%s, %s)", (gone, "dutchie"))  # setup: the body, as the superuser
     conn.execute("UPDATE dispensaries SET crawl_enabled = false WHERE id = %s", (manual,))
     assert crawl_state(conn, gone)["gone_at"] is not None
     assert conn.execute("SELECT id, crawl_enabled FROM dispensaries ORDER BY id").fetchall() == [
@@ -313,7 +359,7 @@ def test_upsert_listed_stores_re_enables_a_gone_store_but_not_one_disabled_by_ha
         (manual, False),
     ]
 
-    rows = upsert(conn, "dutchie", listing([1, 2]))
+    rows = upsert(conn, lease, listing([1, 2]))
     assert [(i, c) for i, _, c in rows] == [(gone, False), (manual, False)]
     assert conn.execute("SELECT id, crawl_enabled FROM dispensaries ORDER BY id").fetchall() == [
         (gone, True),
@@ -323,10 +369,18 @@ def test_upsert_listed_stores_re_enables_a_gone_store_but_not_one_disabled_by_ha
     assert crawl_state(conn, manual)["gone_at"] is None
 
 
-def test_upsert_listed_stores_refuses_an_empty_platform(conn: psycopg.Connection):
-    for platform in ("", None):
+def test_upsert_listed_stores_refuses_an_empty_platform(conn: psycopg.Connection, queue: TaskQueue):
+    """The platform is the listing task's (its platform, else its payload's): a task of none, or
+    of an empty one, lists nothing."""
+    no_platform = listing_task(queue, None)
+    assert queue.get(no_platform.task_id).platform is None
+    # An empty platform in the payload (enqueue would refuse it: set up by hand, then claimed).
+    empty_id = insert_task(conn, LOOSE, None, payload=Jsonb({"platform": ""}))
+    empty = queue.claim(LOOSE, "lister")
+    assert empty is not None and empty.id == empty_id
+    for lease in (no_platform, empty.lease):
         with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
-            upsert(conn, platform, listing([1]))
+            upsert(conn, lease, listing([1]))
         assert info.value.sqlstate == "22023"
         assert "platform must not be empty" in str(info.value)
     assert conn.execute("SELECT count(*) FROM dispensaries").fetchone() == (0,)
@@ -338,22 +392,25 @@ def waiting_for_advisory_locks(conn: psycopg.Connection) -> int:
     ).fetchone()[0]
 
 
-def test_concurrent_listings_of_one_platform_create_each_store_once(db_url: str, conn: psycopg.Connection):
+def test_concurrent_listings_of_one_platform_create_each_store_once(
+    db_url: str, conn: psycopg.Connection, queue: TaskQueue
+):
     """The second listing waits for the first (its transaction still open), then finds its stores:
-    no duplicate, no unique violation."""
+    no duplicate, no unique violation. Two listing tasks of one platform, each with its lease."""
     first, second = listing(range(0, 60)), listing(range(30, 90))
+    lease_a, lease_b = listing_task(queue, "dutchie", "a"), listing_task(queue, "dutchie", "b")
     result: dict[str, Any] = {}
 
     def other() -> None:
         try:
             with psycopg.connect(db_url, autocommit=True) as b:
                 b.execute("SET statement_timeout = '20s'")
-                result["rows"] = upsert(b, "dutchie", second)
+                result["rows"] = upsert(b, lease_b, second)
         except Exception as exc:  # reported by the main thread
             result["error"] = exc
 
     with psycopg.connect(db_url) as a:
-        rows_a = upsert(a, "dutchie", first)  # not committed yet
+        rows_a = upsert(a, lease_a, first)  # not committed yet
         thread = threading.Thread(target=other)
         thread.start()
         deadline = time.monotonic() + 10
@@ -381,21 +438,24 @@ def test_concurrent_listings_of_one_platform_create_each_store_once(db_url: str,
     ).fetchone() == (90, 90, 90, 90)
 
 
-def test_concurrent_listings_from_threads_started_together(db_url: str, conn: psycopg.Connection):
+def test_concurrent_listings_from_threads_started_together(
+    db_url: str, conn: psycopg.Connection, queue: TaskQueue
+):
     """Free-for-all: four listings of one platform at once, overlapping; each store once."""
     barrier = threading.Barrier(4)
     errors: list[Exception] = []
+    leases = [listing_task(queue, "dutchie", f"lister-{n}") for n in range(4)]
 
-    def run(start: int) -> None:
+    def run(start: int, lease: Lease) -> None:
         try:
             with psycopg.connect(db_url, autocommit=True) as c:
                 c.execute("SET statement_timeout = '20s'")
                 barrier.wait(10)
-                upsert(c, "dutchie", listing(range(start, start + 40)))
+                upsert(c, lease, listing(range(start, start + 40)))
         except Exception as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(n * 20,)) for n in range(4)]
+    threads = [threading.Thread(target=run, args=(n * 20, leases[n])) for n in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -403,10 +463,12 @@ def test_concurrent_listings_from_threads_started_together(db_url: str, conn: ps
     assert errors == []
     assert conn.execute(
         """
-        SELECT count(*), count(DISTINCT directory_id), (SELECT count(*) FROM worker_tasks)
+        SELECT count(*), count(DISTINCT directory_id),
+               (SELECT count(*) FROM worker_tasks WHERE role = 'entry_point_discovery'),
+               (SELECT count(*) FROM worker_tasks WHERE role <> 'entry_point_discovery')
         FROM store_crawl_state
         """
-    ).fetchone() == (100, 100, 100)
+    ).fetchone() == (100, 100, 100, 4)  # and the four listings' own tasks
 
 
 # ------------------------------------------------------------------------------------------------
@@ -425,11 +487,32 @@ def item(ident: str, price: Any, in_stock: bool = True, **more: Any) -> dict[str
     }
 
 
-def store_menu(conn: psycopg.Connection, dispensary_id: int, raw: list[dict[str, Any]]) -> dict[str, Any]:
+def menu_task(conn: psycopg.Connection, queue: TaskQueue, role: str = ROLE) -> tuple[int, Lease]:
+    """A new store with a task of ``role``, claimed: (the store, the task's lease)."""
+    (store,) = add_stores(conn, 1)
+    task_id = queue.enqueue(role, store)
+    task = queue.claim(role, "crawler")
+    assert task is not None and task.id == task_id
+    return store, task.lease
+
+
+def store_menu(conn: psycopg.Connection, lease: Lease, raw: list[dict[str, Any]]) -> dict[str, Any]:
+    """store_menu (the named query), for the task held under ``lease``: its store's menu."""
     products = normalise_menu(raw)
-    params = {"dispensary_id": dispensary_id, "menu_hash": menu_hash(products), "products": Jsonb(products)}
+    params = {**lease.params, "menu_hash": menu_hash(products), "products": Jsonb(products)}
     with conn.cursor(row_factory=dict_row) as cur:
         got = cur.execute(query("store_menu"), params).fetchone()
+    assert got is not None
+    return got
+
+
+def seed_menu(conn: psycopg.Connection, dispensary_id: int, raw: list[dict[str, Any]]) -> dict[str, Any]:
+    """A menu stored by the body behind store_menu, for tests that only need it stored."""
+    products = normalise_menu(raw)
+    with conn.cursor(row_factory=dict_row) as cur:
+        got = cur.execute(
+            "SELECT * FROM tq_store_menu(%s, %s, %s)", (dispensary_id, menu_hash(products), Jsonb(products))
+        ).fetchone()
     assert got is not None
     return got
 
@@ -464,9 +547,9 @@ def products_of(conn: psycopg.Connection, dispensary_id: int) -> dict[str, dict[
 FIRST_MENU = [item("A", "10", True), item("B", 20, True), item("C", "30.00", False), item("E", 5, True)]
 
 
-def test_store_menu_first_menu_is_all_new_with_history(conn: psycopg.Connection):
-    (store,) = add_stores(conn, 1)
-    result = store_menu(conn, store, FIRST_MENU)
+def test_store_menu_first_menu_is_all_new_with_history(conn: psycopg.Connection, queue: TaskQueue):
+    store, lease = menu_task(conn, queue)
+    result = store_menu(conn, lease, FIRST_MENU)
     assert counts(result) == (False, 4, 4, 0, 0)
     d = Decimal
     assert history(conn, store) == [
@@ -488,12 +571,14 @@ def test_store_menu_first_menu_is_all_new_with_history(conn: psycopg.Connection)
     assert state["last_crawl_at"] is not None and state["last_change_at"] is not None
 
 
-def test_store_menu_with_the_same_hash_writes_nothing_but_the_crawl_time(conn: psycopg.Connection):
-    (store,) = add_stores(conn, 1)
-    store_menu(conn, store, FIRST_MENU)
+def test_store_menu_with_the_same_hash_writes_nothing_but_the_crawl_time(
+    conn: psycopg.Connection, queue: TaskQueue
+):
+    store, lease = menu_task(conn, queue)
+    store_menu(conn, lease, FIRST_MENU)
     products, rows, state = products_of(conn, store), history(conn, store), crawl_state(conn, store)
     # Same menu, other order and spelling: the same hash.
-    again = store_menu(conn, store, [dict(p, name=f"  {p['name']} ") for p in reversed(FIRST_MENU)])
+    again = store_menu(conn, lease, [dict(p, name=f"  {p['name']} ") for p in reversed(FIRST_MENU)])
     assert counts(again) == (True, 4, 0, 0, 0)
     assert products_of(conn, store) == products
     assert history(conn, store) == rows
@@ -504,13 +589,13 @@ def test_store_menu_with_the_same_hash_writes_nothing_but_the_crawl_time(conn: p
     }
 
 
-def test_store_menu_records_exactly_what_changed(conn: psycopg.Connection):
-    (store,) = add_stores(conn, 1)
-    store_menu(conn, store, FIRST_MENU)
+def test_store_menu_records_exactly_what_changed(conn: psycopg.Connection, queue: TaskQueue):
+    store, lease = menu_task(conn, queue)
+    store_menu(conn, lease, FIRST_MENU)
     before, mark, state = products_of(conn, store), last_history_id(conn), crawl_state(conn, store)
     # A's price changes, B goes out of stock, C is gone, D is new, E is as it was.
     changed_menu = [item("A", "11.5", True), item("B", 20, False), item("D", 7, True), item("E", 5, True)]
-    result = store_menu(conn, store, changed_menu)
+    result = store_menu(conn, lease, changed_menu)
     assert counts(result) == (False, 4, 1, 2, 1)
     d = Decimal
     assert history(conn, store, mark) == [
@@ -537,33 +622,42 @@ def test_store_menu_records_exactly_what_changed(conn: psycopg.Connection):
     # C comes back (at a new price): 'back', counted as changed.
     mark = last_history_id(conn)
     back_menu = [*changed_menu, item("C", 31, True)]
-    assert counts(store_menu(conn, store, back_menu)) == (False, 5, 0, 1, 0)
+    assert counts(store_menu(conn, lease, back_menu)) == (False, 5, 0, 1, 0)
     assert history(conn, store, mark) == [("C", "back", d("31.00"), d("30.00"), True, False)]
     assert products_of(conn, store)["C"]["gone_at"] is None
 
     # C goes again, then stays away while something else changes: one 'gone', not one per menu.
     mark = last_history_id(conn)
-    assert counts(store_menu(conn, store, changed_menu)) == (False, 4, 0, 0, 1)
-    assert counts(store_menu(conn, store, [*changed_menu[:3], item("E", 6, True)])) == (False, 4, 0, 1, 0)
+    assert counts(store_menu(conn, lease, changed_menu)) == (False, 4, 0, 0, 1)
+    assert counts(store_menu(conn, lease, [*changed_menu[:3], item("E", 6, True)])) == (False, 4, 0, 1, 0)
     assert [(h[0], h[1]) for h in history(conn, store, mark)] == [("C", "gone"), ("E", "changed")]
 
 
-def test_store_menu_changes_of_name_only_write_no_history(conn: psycopg.Connection):
-    (store,) = add_stores(conn, 1)
-    store_menu(conn, store, FIRST_MENU)
+def test_store_menu_changes_of_name_only_write_no_history(conn: psycopg.Connection, queue: TaskQueue):
+    store, lease = menu_task(conn, queue)
+    store_menu(conn, lease, FIRST_MENU)
     mark, state = last_history_id(conn), crawl_state(conn, store)
     renamed = [dict(p, name="Renamed") if p["id"] == "A" else p for p in FIRST_MENU]
-    assert counts(store_menu(conn, store, renamed)) == (False, 4, 0, 0, 0)
+    assert counts(store_menu(conn, lease, renamed)) == (False, 4, 0, 0, 0)
     assert history(conn, store, mark) == []
     assert products_of(conn, store)["A"]["name"] == "Renamed"
     assert crawl_state(conn, store)["last_change_at"] == state["last_change_at"]
 
 
-def test_store_menu_refuses_a_store_that_does_not_exist(conn: psycopg.Connection):
+def test_store_menu_refuses_a_store_that_does_not_exist(conn: psycopg.Connection, queue: TaskQueue):
+    # The body, given a store id that names none.
     with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
-        store_menu(conn, 987654, FIRST_MENU)
+        seed_menu(conn, 987654, FIRST_MENU)
     assert info.value.sqlstate == "22023"
     assert "no store with id 987654" in str(info.value)
+    # The API's function, for a held task of no store (set up by hand: enqueue would refuse it).
+    task_id = insert_task(conn, ROLE, None)
+    task = queue.claim(ROLE, "crawler")
+    assert task is not None and task.id == task_id
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+        store_menu(conn, task.lease, FIRST_MENU)
+    assert info.value.sqlstate == "22023"
+    assert "no store with id NULL" in str(info.value)
     assert conn.execute("SELECT count(*) FROM products").fetchone() == (0,)
 
 
@@ -583,14 +677,12 @@ def analytics(conn: psycopg.Connection) -> dict[int, dict[str, Any]]:
 
 def test_refresh_store_analytics_counts_per_store(conn: psycopg.Connection):
     one, two = add_stores(conn, 2)
-    ((listed_only, _, _),) = upsert(conn, "jane", listing([1]))  # crawl state, no products
-    store_menu(
-        conn, one, [item("A", 10, True), item("B", 20, True), item("C", 30, False), item("F", 1, True)]
-    )
-    store_menu(
+    ((listed_only, _, _),) = seed_listing(conn, "jane", listing([1]))  # crawl state, no products
+    seed_menu(conn, one, [item("A", 10, True), item("B", 20, True), item("C", 30, False), item("F", 1, True)])
+    seed_menu(
         conn, one, [item("A", 11, True), item("B", 20, False), item("F", 1, True)]
     )  # price, stock, gone
-    store_menu(conn, one, [item("A", 11, True), item("B", 20, False), item("F", 2, True)])  # price
+    seed_menu(conn, one, [item("A", 11, True), item("B", 20, False), item("F", 2, True)])  # price
     # F's price change was two days ago: in the week, not the day.
     conn.execute(
         """
@@ -599,7 +691,7 @@ def test_refresh_store_analytics_counts_per_store(conn: psycopg.Connection):
         WHERE p.id = h.product_id AND p.external_id = 'F' AND h.change = 'changed'
         """
     )
-    store_menu(conn, two, [item("X", 1, True), item("Y", 2, False)])
+    seed_menu(conn, two, [item("X", 1, True), item("Y", 2, False)])
     now = db_now(conn)
     insert_task(conn, "product_discovery", one, status="completed", completed_at=now - timedelta(hours=3))
     insert_task(conn, "product_resync", one, status="completed", completed_at=now - timedelta(hours=1))
@@ -656,9 +748,9 @@ def test_refresh_store_analytics_counts_per_store(conn: psycopg.Connection):
 
 def test_readers_see_the_old_analytics_while_a_refresh_is_open(db_url: str, conn: psycopg.Connection):
     (store,) = add_stores(conn, 1)
-    store_menu(conn, store, [item("A", 1), item("B", 2), item("C", 3)])
+    seed_menu(conn, store, [item("A", 1), item("B", 2), item("C", 3)])
     refresh(conn)
-    store_menu(conn, store, [item("A", 1), item("B", 2), item("C", 3), item("D", 4)])
+    seed_menu(conn, store, [item("A", 1), item("B", 2), item("C", 3), item("D", 4)])
     listed = "SELECT products_listed FROM store_analytics WHERE dispensary_id = %s"
     with psycopg.connect(db_url) as writer, psycopg.connect(db_url, autocommit=True) as reader:
         reader.execute("SET statement_timeout = '2s'")
@@ -677,22 +769,23 @@ def test_readers_see_the_old_analytics_while_a_refresh_is_open(db_url: str, conn
 # ------------------------------------------------------------------------------------------------
 
 
-def claimed_task(conn: psycopg.Connection, queue: TaskQueue, worker: str = "w") -> int:
+def claimed_task(conn: psycopg.Connection, queue: TaskQueue, worker: str = "w") -> Task:
+    """A new store's task, claimed: the Task the claim returned, with its lease token."""
     (store,) = add_stores(conn, 1)
     task_id = queue.enqueue(ROLE, store, platform="dutchie")
     task = queue.claim(ROLE, worker)
-    assert task is not None and task.id == task_id
-    return task_id
+    assert task is not None and task.id == task_id and task.lease_token is not None
+    return task
 
 
 def fail_and_measure(
-    conn: psycopg.Connection, queue: TaskQueue, task_id: int, retry_after: float | None
+    conn: psycopg.Connection, queue: TaskQueue, task: Task, retry_after: float | None
 ) -> tuple[float, float]:
     """Fail the task; returns the bounds of (scheduled_for - the failure's now()) in seconds."""
     before = db_now(conn)
-    assert queue.fail(task_id, "w", "HTTP 429", retry_after=retry_after) == "pending"
+    assert queue.fail(task, "HTTP 429", retry_after=retry_after) == "pending"
     after = db_now(conn)
-    scheduled_for = queue.get(task_id).scheduled_for
+    scheduled_for = queue.get(task.id).scheduled_for
     return (scheduled_for - after).total_seconds(), (scheduled_for - before).total_seconds()
 
 
@@ -705,10 +798,10 @@ def role_backoff(conn: psycopg.Connection, role: str = ROLE) -> tuple[int, int]:
 def test_fail_with_retry_after_waits_at_least_that_long(conn: psycopg.Connection, queue: TaskQueue):
     base, _ = role_backoff(conn)
     assert base < 600  # so that the Retry-After is what decides
-    task_id = claimed_task(conn, queue)
-    low, high = fail_and_measure(conn, queue, task_id, 600)
+    claimed = claimed_task(conn, queue)
+    low, high = fail_and_measure(conn, queue, claimed, 600)
     assert low >= 600 - 1 and high <= 600 + 1
-    task = queue.get(task_id)
+    task = queue.get(claimed.id)
     assert (task.status, task.retry_count, task.worker_id, task.error_message) == (
         "pending",
         1,
@@ -719,16 +812,16 @@ def test_fail_with_retry_after_waits_at_least_that_long(conn: psycopg.Connection
 
 
 def test_fail_caps_retry_after_at_a_day(conn: psycopg.Connection, queue: TaskQueue):
-    task_id = claimed_task(conn, queue)
-    low, high = fail_and_measure(conn, queue, task_id, 10 * 86400)
+    task = claimed_task(conn, queue)
+    low, high = fail_and_measure(conn, queue, task, 10 * 86400)
     assert low >= 86400 - 1 and high <= 86400 + 1
 
 
 def test_fail_without_a_longer_retry_after_backs_off_as_before(conn: psycopg.Connection, queue: TaskQueue):
     base, _ = role_backoff(conn)
     for retry_after in (None, 0, -60, 1):
-        task_id = claimed_task(conn, queue)
-        low, high = fail_and_measure(conn, queue, task_id, retry_after)
+        task = claimed_task(conn, queue)
+        low, high = fail_and_measure(conn, queue, task, retry_after)
         # retry 1: base * 2^0 with jitter in [50%, 100%]
         assert low >= base * 0.5 - 1 and high <= base + 1, retry_after
     assert_store_state_consistent(conn)
@@ -738,13 +831,13 @@ def test_fail_without_a_longer_retry_after_backs_off_as_before(conn: psycopg.Con
 def test_an_absurd_retry_after_is_capped_at_a_day(
     conn: psycopg.Connection, queue: TaskQueue, seconds: float, call: str
 ):
-    task_id = claimed_task(conn, queue)
+    task = claimed_task(conn, queue)
     if call == "fail":
-        assert queue.fail(task_id, "w", "HTTP 429", retry_after=seconds) == "pending"
+        assert queue.fail(task, "HTTP 429", retry_after=seconds) == "pending"
     else:
-        assert queue.defer(task_id, "w", seconds)
+        assert queue.defer(task, seconds)
     due_in = conn.execute(
-        "SELECT scheduled_for - now() FROM worker_tasks WHERE id = %s", (task_id,)
+        "SELECT scheduled_for - now() FROM worker_tasks WHERE id = %s", (task.id,)
     ).fetchone()[0]
     assert due_in <= timedelta(days=1)
 
@@ -755,14 +848,15 @@ def test_an_absurd_retry_after_is_capped_at_a_day(
 
 
 def test_defer_gives_the_task_back_untried(conn: psycopg.Connection, queue: TaskQueue):
-    task_id = claimed_task(conn, queue)
+    claimed = claimed_task(conn, queue)
+    task_id = claimed.id
     # Spend one retry first, so that "unchanged" is not just "still zero".
     conn.execute(
         "UPDATE worker_tasks SET retry_count = 1, error_message = 'earlier' WHERE id = %s", (task_id,)
     )
-    assert queue.start(task_id, "w")
+    assert queue.start(claimed)
     before = db_now(conn)
-    assert queue.defer(task_id, "w", 300) is True
+    assert queue.defer(claimed, 300) is True
     after = db_now(conn)
     task = queue.get(task_id)
     assert task.status == "pending"
@@ -785,46 +879,59 @@ def test_defer_gives_the_task_back_untried(conn: psycopg.Connection, queue: Task
     )
     again = queue.claim(ROLE, "w2")
     assert again is not None and again.id == task_id and again.retry_count == 1
+    # The new claim's lease is a new one: the old is spent, whoever presents it.
+    assert again.lease_token != claimed.lease_token
+    held = row(conn, "worker_tasks", "id = %s", task_id)
+    assert queue.start(claimed) is False
+    assert queue.defer(claimed, 0) is False
+    assert queue.complete(claimed, {"stale": True}) is False
+    assert row(conn, "worker_tasks", "id = %s", task_id) == held
+    assert queue.complete(again, {"ok": True}) is True
     assert_store_state_consistent(conn)
 
 
 def test_defer_by_a_non_owner_changes_nothing(conn: psycopg.Connection, queue: TaskQueue):
-    task_id = claimed_task(conn, queue)
-    before = row(conn, "worker_tasks", "id = %s", task_id)
-    assert queue.defer(task_id, "someone-else", 60) is False
-    assert row(conn, "worker_tasks", "id = %s", task_id) == before
-    assert queue.complete(task_id, "w", {})
-    done = row(conn, "worker_tasks", "id = %s", task_id)
-    assert queue.defer(task_id, "w", 60) is False  # finished: nothing to give back
-    assert row(conn, "worker_tasks", "id = %s", task_id) == done
+    task = claimed_task(conn, queue)
+    other = claimed_task(conn, queue, worker="someone-else")
+    before = row(conn, "worker_tasks", "id = %s", task.id)
+    # A made-up token, and another held task's real one: neither is this task's lease.
+    assert queue.defer(Lease(task.id, uuid.uuid4()), 60) is False
+    assert queue.defer(Lease(task.id, other.lease.token), 60) is False
+    assert row(conn, "worker_tasks", "id = %s", task.id) == before
+    assert queue.complete(task, {})
+    done = row(conn, "worker_tasks", "id = %s", task.id)
+    assert queue.defer(task, 60) is False  # finished: nothing to give back
+    assert row(conn, "worker_tasks", "id = %s", task.id) == done
+    assert queue.get(other.id).status == "claimed"
     assert_store_state_consistent(conn)
 
 
 def test_defer_delay_is_clamped_to_now_and_a_day(conn: psycopg.Connection, queue: TaskQueue):
     for delay, expected in ((-30, 0), (0, 0), (10 * 86400, 86400)):
-        task_id = claimed_task(conn, queue)
+        task = claimed_task(conn, queue)
         before = db_now(conn)
-        assert queue.defer(task_id, "w", delay)
+        assert queue.defer(task, delay)
         after = db_now(conn)
-        scheduled_for = queue.get(task_id).scheduled_for
+        scheduled_for = queue.get(task.id).scheduled_for
         low, high = before + timedelta(seconds=expected), after + timedelta(seconds=expected)
         assert low <= scheduled_for <= high, delay
-        assert queue.cancel(task_id)  # out of the next claim's way
+        assert queue.cancel(task.id)  # out of the next claim's way
     assert_store_state_consistent(conn)
 
 
 def test_task_still_owned_only_for_the_owner_while_active(conn: psycopg.Connection, queue: TaskQueue):
-    task_id = claimed_task(conn, queue)
+    task = claimed_task(conn, queue)
 
-    def owned(worker: str) -> bool:
-        return (
-            conn.execute(query("task_still_owned"), {"task_id": task_id, "worker_id": worker}).fetchone()
-            is not None
-        )
+    def owned(lease: Lease) -> bool:
+        return conn.execute(query("task_still_owned"), lease.params).fetchone() is not None
 
-    assert owned("w") and not owned("other")
-    assert queue.defer(task_id, "w", 0)
-    assert not owned("w")
+    assert owned(task.lease) and not owned(Lease(task.id, uuid.uuid4()))
+    assert queue.defer(task, 0)
+    assert not owned(task.lease)
+    # Claimed again: the new lease holds it, the old one (stale) does not.
+    again = queue.claim(ROLE, "w")
+    assert again is not None and again.id == task.id
+    assert owned(again.lease) and not owned(task.lease)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -848,18 +955,18 @@ def test_platform_errors_counts_the_window_per_platform(conn: psycopg.Connection
         ("none-failed", None, "failed", "no platform", None),
     ]
     ids = {label: queue.enqueue(LOOSE, platform=p, payload={"label": label}) for label, p, *_ in plan}
-    claimed = {t.payload["label"]: t.id for t in queue.claim_many(LOOSE, "w", 100)}
-    assert claimed == ids
+    claimed = {t.payload["label"]: t for t in queue.claim_many(LOOSE, "w", 100)}
+    assert {label: t.id for label, t in claimed.items()} == ids
     for label, _, outcome, error, back in plan:
-        task_id = ids[label]
+        task_id, task = ids[label], claimed[label]
         if outcome == "complete":
-            assert queue.complete(task_id, "w", {})
+            assert queue.complete(task, {})
         elif outcome == "failed":
-            assert queue.fail(task_id, "w", error, retryable=False) == "failed"
+            assert queue.fail(task, error, retryable=False) == "failed"
         elif outcome == "retry":
-            assert queue.fail(task_id, "w", error) == "pending"
+            assert queue.fail(task, error) == "pending"
         else:
-            assert queue.defer(task_id, "w", 0)  # pending, never failed: no error
+            assert queue.defer(task, 0)  # pending, never failed: no error
         if back is not None:
             columns = {"updated_at": back} | ({} if outcome == "retry" else {"completed_at": back})
             set_task_times(conn, task_id, **columns)
@@ -883,33 +990,39 @@ def test_platform_errors_counts_the_window_per_platform(conn: psycopg.Connection
 # -- review fixes: unresolved stores, bad listings and menus, heartbeats beside a writing handler
 
 
-def test_listing_again_retries_the_entry_point_of_a_store_still_unresolved(conn: psycopg.Connection):
-    [(store, _, _)] = upsert(conn, "dutchie", listing([1]))
+def test_listing_again_retries_the_entry_point_of_a_store_still_unresolved(
+    conn: psycopg.Connection, queue: TaskQueue
+):
+    lease = listing_task(queue, "dutchie")
+    [(store, _, _)] = upsert(conn, lease, listing([1]))
     # Its entry point failed for good (say, 5xx until out of retries): the store has no platform id.
     conn.execute(
         "UPDATE worker_tasks SET status = 'failed', completed_at = now() WHERE dispensary_id = %s", (store,)
     )
-    upsert(conn, "dutchie", listing([1]))
+    upsert(conn, lease, listing([1]))
     assert conn.execute(
         "SELECT status FROM worker_tasks"
         " WHERE dispensary_id = %s AND role = 'entry_point_discovery' ORDER BY id",
         (store,),
     ).fetchall() == [("failed",), ("pending",)]
-    upsert(conn, "dutchie", listing([1]))  # one is pending already: not a second
+    upsert(conn, lease, listing([1]))  # one is pending already: not a second
     assert conn.execute("SELECT count(*) FROM worker_tasks WHERE status = 'pending'").fetchone() == (1,)
-    # Resolved, or disabled by hand: nothing more is queued.
+    # Resolved, or disabled by hand: nothing more is queued. (Every task finished, the listing's
+    # too: each listing after this one is a new task's.)
     conn.execute("UPDATE worker_tasks SET status = 'completed', completed_at = now()")
     conn.execute("UPDATE dispensaries SET crawl_enabled = false")
-    upsert(conn, "dutchie", listing([1]))
+    upsert(conn, listing_task(queue, "dutchie"), listing([1]))
     conn.execute("UPDATE dispensaries SET crawl_enabled = true, platform_dispensary_id = 'p1'")
-    upsert(conn, "dutchie", listing([1]))
+    upsert(conn, listing_task(queue, "dutchie"), listing([1]))
     assert conn.execute("SELECT count(*) FROM worker_tasks WHERE status = 'pending'").fetchone() == (0,)
 
 
 @pytest.mark.parametrize("ident", [None, ""])
-def test_upsert_listed_stores_refuses_a_store_without_an_id(conn: psycopg.Connection, ident: Any):
+def test_upsert_listed_stores_refuses_a_store_without_an_id(
+    conn: psycopg.Connection, queue: TaskQueue, ident: Any
+):
     with pytest.raises(psycopg.errors.InvalidParameterValue, match="non-empty id"):
-        upsert(conn, "dutchie", [*listing([1]), {"id": ident, "name": "x"}])
+        upsert(conn, listing_task(queue, "dutchie"), [*listing([1]), {"id": ident, "name": "x"}])
     assert conn.execute("SELECT count(*) FROM dispensaries").fetchone() == (0,)
 
 
@@ -922,25 +1035,36 @@ def test_upsert_listed_stores_refuses_a_store_without_an_id(conn: psycopg.Connec
     ],
 )
 def test_store_menu_refuses_what_it_cannot_store_faithfully(
-    conn: psycopg.Connection, menu_hash: str | None, products: list[dict[str, Any]]
+    conn: psycopg.Connection, queue: TaskQueue, menu_hash: str | None, products: list[dict[str, Any]]
 ):
-    (store,) = add_stores(conn, 1)
+    _, lease = menu_task(conn, queue)
     with pytest.raises(psycopg.errors.InvalidParameterValue):
-        conn.execute("SELECT * FROM store_menu(%s, %s, %s)", (store, menu_hash, Jsonb(products)))
+        conn.execute(
+            "SELECT * FROM store_menu(%s, %s, %s, %s)",
+            (lease.task_id, lease.token, menu_hash, Jsonb(products)),
+        )
     assert conn.execute("SELECT count(*) FROM products").fetchone() == (0,)
 
 
-def test_a_heartbeat_does_not_wait_for_a_handler_writing_its_task(db_url: str, conn: psycopg.Connection):
+def test_a_heartbeat_does_not_wait_for_a_handler_writing_its_task(
+    db_url: str, conn: psycopg.Connection, queue: TaskQueue
+):
     """A handler's write transaction holds its task row FOR SHARE; the worker's heartbeat reports
     that task owned without waiting for it, and beats the others."""
     stores = add_stores(conn, 3)
-    ids = [insert_task(conn, ROLE, s, status="running", worker_id="w") for s in stores]
+    for s in stores:
+        queue.enqueue(ROLE, s)
+    tasks = sorted(queue.claim_many(ROLE, "w", 3, start=True), key=lambda t: t.id)
+    ids = [t.id for t in tasks]
+    assert len(ids) == 3
     conn.execute("UPDATE worker_tasks SET last_heartbeat_at = now() - interval '5 minutes'")
     with psycopg.connect(db_url) as handler:
-        handler.execute("SELECT 1 FROM worker_tasks WHERE id = %s FOR SHARE", (ids[1],))
+        handler.execute("SELECT 1 FROM task_still_owned(%(task_id)s, %(lease)s)", tasks[1].lease.params)
         with psycopg.connect(db_url, autocommit=True) as worker:
             worker.execute("SET statement_timeout = '3s'")
-            [owned] = worker.execute("SELECT heartbeat_tasks('w', %s)", (ids,)).fetchone()  # type: ignore[misc]
+            [owned] = worker.execute(  # type: ignore[misc]
+                "SELECT heartbeat_tasks('w', %s, %s::uuid[])", (ids, [t.lease_token for t in tasks])
+            ).fetchone()
         handler.rollback()
     assert owned == sorted(ids)
     fresh = dict(
@@ -949,3 +1073,205 @@ def test_a_heartbeat_does_not_wait_for_a_handler_writing_its_task(db_url: str, c
         ).fetchall()
     )
     assert fresh == {ids[0]: True, ids[1]: False, ids[2]: True}
+
+
+# ------------------------------------------------------------------------------------------------
+# The handlers' writes act for a held task (migration 0013)
+# ------------------------------------------------------------------------------------------------
+
+# name: (the role that may call it, a role that may not, its arguments besides the lease, what it
+# writes for the store of the test: true once written)
+HANDLER_WRITES: dict[str, tuple[str, str, dict[str, Any], str]] = {
+    "store_menu": (
+        "product_resync",
+        "entry_point_discovery",
+        {"menu_hash": "h", "products": Jsonb(normalise_menu([item("A", 1)]))},
+        "SELECT count(*) = 1 FROM products WHERE dispensary_id = %(store)s",
+    ),
+    "mark_store_gone": (
+        "product_discovery",
+        "store_discovery",
+        {},
+        "SELECT NOT crawl_enabled FROM dispensaries WHERE id = %(store)s",
+    ),
+    "save_entry_point": (
+        "entry_point_discovery",
+        "product_discovery",
+        {"platform_id": "p-new", "menu_url": "/menus/p-new"},
+        "SELECT platform_dispensary_id = 'p-new' FROM dispensaries WHERE id = %(store)s",
+    ),
+    "upsert_listed_stores": (
+        "store_discovery",
+        "entry_point_discovery",
+        {"stores": Jsonb(listing([7]))},
+        "SELECT count(*) = 1 FROM store_crawl_state WHERE directory_id = 's007'",
+    ),
+}
+
+
+def crawl_tables(conn: psycopg.Connection) -> tuple:
+    """Everything a handler's write could change, for before/after comparisons."""
+    return conn.execute(
+        """
+        SELECT (SELECT jsonb_agg(to_jsonb(d) ORDER BY d.id) FROM dispensaries d),
+               (SELECT jsonb_agg(to_jsonb(c) ORDER BY c.dispensary_id) FROM store_crawl_state c),
+               (SELECT jsonb_agg(to_jsonb(p) ORDER BY p.id) FROM products p),
+               (SELECT count(*) FROM product_history),
+               (SELECT count(*) FROM worker_tasks)
+        """
+    ).fetchone()
+
+
+def claim_for(conn: psycopg.Connection, queue: TaskQueue, role: str, worker: str) -> Task:
+    """A task of ``role`` claimed: a store_discovery task of dutchie, else one of a new store."""
+    if role == LOOSE:
+        task_id = queue.enqueue(role, platform="dutchie", payload={"platform": "dutchie"})
+    else:
+        (store,) = add_stores(conn, 1)
+        task_id = queue.enqueue(role, store)
+    task = queue.claim(role, worker)
+    assert task is not None and task.id == task_id
+    return task
+
+
+@pytest.mark.parametrize("name", list(HANDLER_WRITES))
+def test_handler_writes_need_the_lease_of_a_held_task_of_their_role(
+    conn: psycopg.Connection, queue: TaskQueue, name: str
+):
+    """A forged token, another task's token, no token, a held task of another role, a stale lease
+    (the task given back and claimed again) and a finished task's lease are all refused (42501),
+    writing nothing; the current lease writes, for its task's store or platform."""
+    role, wrong_role, args, written = HANDLER_WRITES[name]
+    task = claim_for(conn, queue, role, "holder")
+    other = claim_for(conn, queue, wrong_role, "other")
+    store = task.dispensary_id
+    sql = query(name)
+
+    def call(params: dict[str, Any]) -> None:
+        conn.execute(sql, {**params, **args}).fetchall()
+
+    before = crawl_tables(conn)
+    refused = {
+        "forged token": {"task_id": task.id, "lease": uuid.uuid4()},
+        "another task's token": {"task_id": task.id, "lease": other.lease_token},
+        "no token": {"task_id": task.id, "lease": None},
+        "no task": {"task_id": None, "lease": task.lease_token},
+    }
+    for why, params in refused.items():
+        with pytest.raises(psycopg.errors.InsufficientPrivilege) as info:
+            call(params)
+        assert info.value.sqlstate == "42501", why
+        assert "is not held under this lease" in str(info.value), why
+    with pytest.raises(psycopg.errors.InsufficientPrivilege) as info:
+        call(other.lease.params)  # held, and rightly: but not a task of this write's role
+    assert f"is a {wrong_role} task" in str(info.value)
+    assert crawl_tables(conn) == before
+
+    # Given back and claimed again: the old lease is stale.
+    assert queue.defer(task, 0)
+    again = queue.claim(role, "holder-again")
+    assert again is not None and again.id == task.id
+    with pytest.raises(psycopg.errors.InsufficientPrivilege, match="not held under this lease"):
+        call(task.lease.params)
+    assert crawl_tables(conn) == before
+
+    call(again.lease.params)  # the current lease writes
+    if store is None:  # a listing: the task's platform
+        assert conn.execute(
+            "SELECT menu_type FROM dispensaries d JOIN store_crawl_state c ON c.dispensary_id = d.id"
+            " WHERE c.directory_id = 's007'"
+        ).fetchone() == ("dutchie",)
+    assert conn.execute(written, {"store": store}).fetchone() == (True,)
+
+    after = crawl_tables(conn)
+    assert queue.complete(again, {})
+    with pytest.raises(psycopg.errors.InsufficientPrivilege, match="not held under this lease"):
+        call(again.lease.params)  # finished: not even its holder writes for it
+    assert crawl_tables(conn) == after
+
+
+def entry_point_task(conn: psycopg.Connection, queue: TaskQueue, platform: str) -> tuple[int, Lease]:
+    (store,) = add_stores(conn, 1, platform=platform)
+    task_id = queue.enqueue("entry_point_discovery", store)
+    task = queue.claim("entry_point_discovery", "resolver")
+    assert task is not None and task.id == task_id
+    return store, task.lease
+
+
+def save_entry_point(conn: psycopg.Connection, lease: Lease, platform_id: str, menu_url: str | None) -> None:
+    conn.execute(
+        query("save_entry_point"), {**lease.params, "platform_id": platform_id, "menu_url": menu_url}
+    )
+
+
+def entry_point_of(conn: psycopg.Connection, store: int) -> tuple:
+    return conn.execute(
+        "SELECT d.platform_dispensary_id, c.menu_url FROM dispensaries d"
+        " LEFT JOIN store_crawl_state c ON c.dispensary_id = d.id WHERE d.id = %s",
+        (store,),
+    ).fetchone()
+
+
+def test_save_entry_point_keeps_a_menu_url_on_the_platforms_hosts(conn: psycopg.Connection, queue: TaskQueue):
+    """An absolute menu URL must be http(s) on one of the platform's hosts (tq_platforms.hosts, as
+    the sync loaded them), with no user info; a path under the base URL is always fine. A refused
+    URL is shown by its scheme and host only, and nothing is written."""
+    hosts = ("menus.example.com", "cdn.example.com")
+    assert queue.sync_platform_limits([PlatformLimits("dutchie", 4, 100.0, hosts=hosts)]) == 1
+    assert conn.execute("SELECT hosts FROM tq_platforms WHERE platform = 'dutchie'").fetchone() == (
+        sorted(hosts),
+    )
+    store, lease = entry_point_task(conn, queue, "dutchie")
+
+    accepted = [
+        None,
+        "/menus/p1",
+        "/m/p1?page=2#top",
+        "https://menus.example.com/menus/p1",
+        "http://cdn.example.com:8080/p1?k=v",
+        "HTTPS://CDN.Example.COM/p1",  # scheme and host in any case
+    ]
+    for n, url in enumerate(accepted):
+        save_entry_point(conn, lease, f"p{n}", url)
+        assert entry_point_of(conn, store) == (f"p{n}", url), url  # kept as given
+
+    last = entry_point_of(conn, store)
+    # URL -> how the error shows it: a plain scheme://host[:port] is shown so; anything else
+    # (user info, a parser's trick) is not shown at all, or by nothing of its own but a host.
+    refused: dict[str, str | None] = {
+        "https://evil.example.net/menus/secret-path?token=s3cret": "https://evil.example.net/...",
+        "https://menus.example.com.evil.net/p1": "https://menus.example.com.evil.net/...",
+        "ftp://menus.example.com/p1": "ftp://menus.example.com/...",
+        "https://menus.example.com/p1 https://evil.net/": "https://menus.example.com/...",
+        "https://user:s3cret@menus.example.com/menus/p1": None,
+        "https://menus.example.com\\@evil.net/p1": None,
+        "https://menus.example.com:8080@evil.net/p1": None,
+        "//evil.example.net/p1": None,
+        "/\\evil.example.net/p1": None,
+        "menus.example.com/p1": None,
+        "javascript:alert(1)": None,
+    }
+    for url, shown in refused.items():
+        with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+            save_entry_point(conn, lease, "p-evil", url)
+        message = info.value.diag.message_primary or ""
+        assert message.startswith("save_entry_point: menu_url "), message
+        assert " is not on the hosts of platform " in message, message
+        assert message.endswith("(cdn.example.com, menus.example.com)"), message
+        if shown is not None:
+            assert f"menu_url {shown} is not on the hosts of platform" in message, (url, message)
+        for secret in ("user", "p1", "alert", "@"):  # nothing of the URL but its scheme and host
+            assert secret not in message, (secret, message)
+        for secret in ("s3cret", "secret-path", "token"):  # nor anywhere in the error
+            assert secret not in str(info.value), (secret, str(info.value))
+        assert entry_point_of(conn, store) == last, url
+
+    # A platform whose hosts were never loaded: paths only.
+    other, other_lease = entry_point_task(conn, queue, "jane")
+    with pytest.raises(
+        psycopg.errors.InvalidParameterValue, match=r"is not on the hosts of platform .*\(none loaded\)"
+    ):
+        save_entry_point(conn, other_lease, "j1", "https://menus.example.com/menus/j1")
+    assert entry_point_of(conn, other) == ("pid-1", None)
+    save_entry_point(conn, other_lease, "j1", "/menus/j1")
+    assert entry_point_of(conn, other) == ("j1", "/menus/j1")

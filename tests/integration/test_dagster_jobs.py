@@ -205,7 +205,7 @@ def test_recover_gives_back_a_silent_workers_task_and_the_drain_completes_it(
     dead = queue.claim(ROLE, "dead-worker")
     live = queue.claim(ROLE, "live-worker")
     assert dead is not None and live is not None
-    assert queue.start(dead.id, "dead-worker")
+    assert queue.start(dead)
     # The dead worker's lease and its registry heartbeat are an hour old; the live one's are fresh.
     conn.execute(
         "UPDATE worker_tasks SET claimed_at = now() - interval '61 minutes', "

@@ -131,7 +131,7 @@ def test_a_crawl_makes_a_stale_store_fresh(conn: psycopg.Connection, queue: Task
     store = add_store(conn, "dutchie", crawled_hours_ago=40)
     [before] = store_freshness_by_platform(queue, 26)
     assert before.stale == 1
-    conn.execute("SELECT store_menu(%s, 'a hash', '[]')", (store,))  # a menu stored: a success
+    conn.execute("SELECT * FROM tq_store_menu(%s, 'a hash', '[]')", (store,))  # a menu stored: a success
     [after] = store_freshness_by_platform(queue, 26)
     assert (after.stale, after.enabled) == (0, 1)
 

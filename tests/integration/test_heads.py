@@ -47,6 +47,6 @@ def test_heads_follow_direct_writes(conn: psycopg.Connection, queue: TaskQueue):
     task = queue.claim(ROLE, "w")
     assert task is not None and task.id == first
     assert queue.claim(ROLE, "w2") is None
-    assert queue.complete(first, "w")
+    assert queue.complete(task)
     assert queue.claim(ROLE, "w3") is None
     assert conn.execute("SELECT count(*) FROM worker_task_heads").fetchone() == (0,)

@@ -146,10 +146,11 @@ def test_a_completed_task_carries_no_error_of_an_earlier_attempt(conn: psycopg.C
     [store] = add_stores(conn, 1)
     task_id = queue.enqueue(ROLE, store)
     [task] = queue.claim_many(ROLE, "w", 1)
-    assert queue.fail(task.id, "w", "HTTP 503 for the menu") == "pending"
+    assert queue.fail(task, "HTTP 503 for the menu") == "pending"
     conn.execute("UPDATE worker_tasks SET scheduled_for = now() WHERE id = %s", (task_id,))
     [again] = queue.claim_many(ROLE, "w", 1)
-    assert queue.complete_many("w", {again.id: {"ok": True}}) == {task_id}
+    assert again.id == task_id and again.lease_token != task.lease_token
+    assert queue.complete_many({again.lease: {"ok": True}}) == {task_id}
     row = conn.execute("SELECT status, retry_count, error_message FROM worker_tasks").fetchone()
     assert row == ("completed", 1, None)
 
@@ -194,7 +195,7 @@ def test_the_drain_estimate_is_the_time_the_rest_takes(
     [cap] = [c for c in queue.capacity() if c.role == ROLE]
     assert cap.estimated_hours_to_drain is not None
     estimate = cap.estimated_hours_to_drain * 3600
-    queue.complete_many("holder", {held.id: None})
+    assert queue.complete_many({held.lease: None}) == {held.id}
 
     began = time.monotonic()
     Worker(queue, ROLE, handler, worker_id="rest", concurrency=concurrency, batch_size=4).run()

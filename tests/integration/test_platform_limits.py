@@ -1,6 +1,8 @@
 """Per-platform limits kept in PostgreSQL (migration 0006): claims respect every platform's slots,
 rate and pause whatever connection they come from; the counters follow the tasks on every path;
-the breaker pauses, probes and closes; a dead claimer's slots come back with its lease."""
+the breaker pauses, probes and closes, told only by tasks held under their lease (migration 0013),
+its pauses bounded; the admin pauses and resumes by hand; a dead claimer's slots come back with
+its lease."""
 
 import os
 import signal
@@ -8,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime
@@ -24,10 +27,11 @@ from tests.helpers import (
     assert_store_state_consistent,
     status_counts,
 )
-from tq_pipelines.queue.api import PlatformLimits, QueueInputError, Task, TaskQueue
-from tq_pipelines.queue.worker import TaskContext, Worker
+from tq_pipelines.queue.api import Lease, PlatformLimits, QueueInputError, Task, TaskQueue
+from tq_pipelines.queue.worker import DeferTask, TaskContext, Worker
 
 ROLE = "product_resync"
+OTHER_ROLE = "store_discovery"  # another worker's tasks, of no store
 ROOT = Path(__file__).resolve().parents[2]
 FAST = 10_000.0  # requests per second high enough that the rate never binds
 
@@ -57,6 +61,19 @@ def add_platform_tasks(
         {"role": ROLE, "platform": platform, "stores": stores, "per": per_store, "age": age_seconds},
     ).fetchall()
     return [r[0] for r in sorted(rows, key=lambda r: r[1])]
+
+
+def another_workers_task(queue: TaskQueue, platform: str) -> Task:
+    """A task of ``platform`` that another worker ("other") holds, done with its requests (its
+    slot given back): it reports to the breaker what that worker meets (a platform's errors are
+    reported by a held task, on its own platform). A store_discovery task of no store, so that
+    claims of ROLE never take it. Call while the platform is open and has room."""
+    queue.enqueue(OTHER_ROLE, platform=platform)
+    (task,) = queue.claim_many(OTHER_ROLE, "other", 1, start=True)
+    assert task.platform == platform
+    if task.send_at is not None:
+        assert queue.platform_release(task)
+    return task
 
 
 def db_now(conn: psycopg.Connection) -> datetime:
@@ -171,7 +188,7 @@ def test_16_claimers_never_exceed_any_platforms_max_in_flight(db_url: str, conn:
                     assert {t.status for t in tasks} == {"running"}
                     claimed[n].extend(t.id for t in tasks)
                     time.sleep(0.003)
-                    done = queue.complete_many(worker_id, {t.id: {"by": worker_id} for t in tasks})
+                    done = queue.complete_many({t.lease: {"by": worker_id} for t in tasks})
                     assert done == {t.id for t in tasks}
                     with lock:
                         finished[0] += len(done)
@@ -246,9 +263,7 @@ def test_request_starts_given_by_claims_never_exceed_the_platform_rate(db_url: s
                         continue
                     claimed.extend(t.id for t in tasks)
                     assert all(t.send_at is not None for t in tasks)
-                    assert queue.complete_many(worker_id, {t.id: None for t in tasks}) == {
-                        t.id for t in tasks
-                    }
+                    assert queue.complete_many({t.lease: None for t in tasks}) == {t.id for t in tasks}
             except BaseException as exc:
                 errors.append(exc)
 
@@ -360,7 +375,7 @@ queue = TaskQueue.connect(url, max_size=1)
 tasks = queue.claim_many(role, worker_id, int(max_tasks), start=True)
 if ask == "ask":
     for t in tasks:
-        assert queue.platform_request(t.id, worker_id, first=True).decision in ("go", "probe")
+        assert queue.platform_request(t, first=True).decision in ("go", "probe")
 print("claimed", *[t.id for t in tasks], flush=True)
 time.sleep(120)
 """
@@ -454,7 +469,7 @@ def test_a_paused_platform_gives_no_tasks_and_refuses_requests(conn: psycopg.Con
     (before,) = queue.claim_many(ROLE, "w1", 1, start=True)
     assert before.platform == "flaky"
 
-    wait = queue.platform_error("flaky", before.id, "HTTP 503", retry_after=30)
+    wait = queue.platform_error(before, "HTTP 503", retry_after=30)
     assert wait == pytest.approx(30, abs=0.01)
     flaky = status_of(queue, "flaky")
     assert flaky["state"] == "paused"
@@ -465,13 +480,14 @@ def test_a_paused_platform_gives_no_tasks_and_refuses_requests(conn: psycopg.Con
     assert sorted(t.id for t in queue.claim_many(ROLE, "w2", 10)) == steady
     assert queue.claim_many(ROLE, "w3", 10) == []
 
-    first = queue.platform_request(before.id, "w1", first=True)
+    first = queue.platform_request(before, first=True)
     assert first.decision == "paused"
     assert 28 < first.wait_seconds <= 30
-    further = queue.platform_request(before.id, "w1", first=False)
+    further = queue.platform_request(before, first=False)
     assert further.decision == "paused"
     assert 28 < further.wait_seconds <= 30
-    assert queue.platform_request(before.id, "w2", first=True).decision == "lost"
+    # Another worker, with a token of its own making: the task is not its to ask for.
+    assert queue.platform_request(Lease(before.id, uuid.uuid4()), first=True).decision == "lost"
     assert in_flight(conn, "flaky") == (1, 1)
     assert_platform_counters_consistent(conn)
 
@@ -483,13 +499,14 @@ def test_worker_defers_a_task_whose_platform_pauses_without_spending_a_retry(
     with Retry-After 30 seen by another worker): the task goes back pending, untried, its
     retry_count unchanged, due again in about 30 s, and its slot is free."""
     queue.sync_platform_limits([PlatformLimits("flaky", 3, 100.0)])
+    other = another_workers_task(queue, "flaky")
     (task_id,) = add_platform_tasks(conn, "flaky", add_stores(conn, 1, platform="flaky"))
     seen: dict[str, Any] = {}
 
     def handler(task: Task, ctx: TaskContext) -> dict[str, bool]:
         seen["permit"] = ctx.permit
         seen["in_flight"] = in_flight(conn, "flaky")
-        queue.platform_error("flaky", None, "HTTP 503", retry_after=30)
+        assert queue.platform_error(other, "HTTP 503", retry_after=30) == pytest.approx(30, abs=0.01)
         assert ctx.permit is not None
         with ctx.permit.request():
             seen["sent"] = True
@@ -530,27 +547,29 @@ def test_breaker_pauses_after_errors_in_a_row_then_probes_then_closes(
     queue.sync_platform_limits(
         [PlatformLimits("flaky", 4, 100.0, pause_after_errors=5, pause_seconds=0.3, max_pause_seconds=1.0)]
     )
+    # The errors come from another worker's task of the platform (its slot already given back).
+    other = another_workers_task(queue, "flaky")
     add_platform_tasks(conn, "flaky", add_stores(conn, 12, platform="flaky"))
 
     # 4 errors, a completion, 4 errors: no 5 in a row.
     for _ in range(4):
-        assert queue.platform_error("flaky", None, "HTTP 500") is None
+        assert queue.platform_error(other, "HTTP 500") is None
     (task,) = queue.claim_many(ROLE, "w", 1)
-    assert queue.complete_many("w", {task.id: None}) == {task.id}
+    assert queue.complete_many({task.lease: None}) == {task.id}
     assert platform_row(conn, "flaky")["error_streak"] == 0
     for _ in range(4):
-        assert queue.platform_error("flaky", None, "HTTP 500") is None
+        assert queue.platform_error(other, "HTTP 500") is None
     row = status_of(queue, "flaky")
     assert (row["state"], row["error_streak"], row["errors_total"]) == ("open", 4, 8)
 
     # The 5th in a row pauses for pause_seconds; errors during the pause extend nothing.
-    assert queue.platform_error("flaky", None, "HTTP 500") == pytest.approx(0.3)
+    assert queue.platform_error(other, "HTTP 500") == pytest.approx(0.3)
     paused_until = platform_row(conn, "flaky")["paused_until"]
     assert _pause_length(conn, "flaky") == pytest.approx(0.3, abs=1e-6)
     row = status_of(queue, "flaky")
     assert (row["state"], row["pauses"], row["error_streak"]) == ("paused", 1, 0)
     assert queue.claim_many(ROLE, "w", 8) == []
-    left = queue.platform_error("flaky", None, "HTTP 500")
+    left = queue.platform_error(other, "HTTP 500")
     assert left is not None
     assert 0 < left <= 0.3
     assert platform_row(conn, "flaky")["paused_until"] == paused_until
@@ -563,53 +582,58 @@ def test_breaker_pauses_after_errors_in_a_row_then_probes_then_closes(
     assert platform_row(conn, "flaky")["probe_task_id"] == probe.id
     assert queue.claim_many(ROLE, "w2", 8) == []
     # A probe that finished without asking the platform anything proves nothing: another probes.
-    assert queue.complete_many("w", {probe.id: None}) == {probe.id}
+    assert queue.complete_many({probe.lease: None}) == {probe.id}
     row = status_of(queue, "flaky")
     assert (row["state"], row["pauses"], row["probe_task_id"]) == ("probing", 1, None)
     (probe,) = queue.claim_many(ROLE, "w", 8)
     assert platform_row(conn, "flaky")["probe_task_id"] == probe.id
-    assert queue.platform_request(probe.id, "w", first=True).decision == "probe"
+    assert queue.platform_request(probe, first=True).decision == "probe"
 
     # The probe's completion, after its request, closes the breaker: full claims again.
-    assert queue.complete_many("w", {probe.id: None}) == {probe.id}
+    assert queue.complete_many({probe.lease: None}) == {probe.id}
     row = status_of(queue, "flaky")
     assert (row["state"], row["pauses"], row["probe_task_id"]) == ("open", 0, None)
     assert platform_row(conn, "flaky")["paused_until"] is None
     batch = queue.claim_many(ROLE, "w", 8)
     assert len(batch) == 4
-    assert queue.complete_many("w", {t.id: None for t in batch}) == {t.id for t in batch}
+    assert queue.complete_many({t.lease: None for t in batch}) == {t.id for t in batch}
 
     # A probe's answer closes the breaker at once, whatever its task then does (here it fails
     # for good: a 404 is an answer): the platform does not wait for the task to finish.
     for _ in range(5):
-        queue.platform_error("flaky", None, "HTTP 500")
+        queue.platform_error(other, "HTTP 500")
     time.sleep(0.35)
     (probe,) = queue.claim_many(ROLE, "w", 8)
-    assert not queue.platform_answered("flaky", probe.id), "no answer before its request went out"
-    assert queue.platform_request(probe.id, "w", first=True).decision == "probe"
-    assert queue.platform_answered("flaky", probe.id)
+    assert not queue.platform_answered(probe), "no answer before its request went out"
+    assert queue.platform_request(probe, first=True).decision == "probe"
+    # Only the probe's holder may say the platform answered: not another task, nor a token of
+    # another's making for the probe.
+    assert not queue.platform_answered(other)
+    assert not queue.platform_answered(Lease(probe.id, uuid.uuid4()))
+    assert status_of(queue, "flaky")["state"] == "probing"
+    assert queue.platform_answered(probe)
     assert status_of(queue, "flaky")["state"] == "open"
     assert len(queue.claim_many(ROLE, "w2", 8)) == 3  # the probe still holds its slot
-    assert queue.fail(probe.id, "w", "HTTP 404", retryable=False) == "failed"
+    assert queue.fail(probe, "HTTP 404", retryable=False) == "failed"
     assert status_of(queue, "flaky")["state"] == "open"
     conn.execute("UPDATE worker_tasks SET status = 'completed', completed_at = now() WHERE worker_id = 'w2'")
 
     # Failed probes: each pause twice the last, capped.
     for _ in range(4):
-        assert queue.platform_error("flaky", None, "HTTP 500") is None
-    assert queue.platform_error("flaky", None, "HTTP 500") == pytest.approx(0.3)
+        assert queue.platform_error(other, "HTTP 500") is None
+    assert queue.platform_error(other, "HTTP 500") == pytest.approx(0.3)
     lengths = []
     lengths.append(_pause_length(conn, "flaky"))
     for expected in (0.6, 1.0):
         time.sleep(lengths[-1] + 0.05)
         (probe,) = queue.claim_many(ROLE, "w", 8)
         assert platform_row(conn, "flaky")["probe_task_id"] == probe.id
-        assert queue.platform_error("flaky", probe.id, "HTTP 500") == pytest.approx(expected)
+        assert queue.platform_error(probe, "HTTP 500") == pytest.approx(expected)
         lengths.append(_pause_length(conn, "flaky"))
         row = platform_row(conn, "flaky")
         assert row["probe_task_id"] is None
         assert status_of(queue, "flaky")["state"] == "paused"
-        assert queue.defer(probe.id, "w", 0)  # the worker gives its probe back
+        assert queue.defer(probe, 0)  # the worker gives its probe back
         assert in_flight(conn, "flaky") == (0, 0)
     assert lengths == pytest.approx([0.3, 0.6, 1.0], abs=1e-6)
     assert platform_row(conn, "flaky")["pauses"] == 3
@@ -628,7 +652,8 @@ def test_a_dead_probe_failed_by_recovery_leaves_the_breaker_half_open(
     )
     add_platform_tasks(conn, "flaky", add_stores(conn, 8, platform="flaky"))
     conn.execute("UPDATE worker_tasks SET max_retries = 0")
-    assert queue.platform_error("flaky", None, "HTTP 500") == pytest.approx(0.1)
+    other = another_workers_task(queue, "flaky")
+    assert queue.platform_error(other, "HTTP 500") == pytest.approx(0.1)
     time.sleep(0.15)
     (probe_id,) = claim_then_die(db_url, "doomed", 8, ask=True)
     assert platform_row(conn, "flaky")["probe_task_id"] == probe_id
@@ -641,6 +666,233 @@ def test_a_dead_probe_failed_by_recovery_leaves_the_breaker_half_open(
     row = status_of(queue, "flaky")
     assert (row["state"], row["pauses"]) == ("probing", 1), "the breaker closed without an answer"
     assert len(queue.claim_many(ROLE, "w", 8)) == 1
+
+
+# -- only a task's holder speaks for its platform ----------------------------------------------
+
+
+def test_an_error_reported_without_the_tasks_lease_counts_nothing(conn: psycopg.Connection, queue: TaskQueue):
+    """platform_error with a token that is not the task's (one of another's making, the token of an
+    earlier claim of the same task, a finished task's own, none at all) counts nothing: no error,
+    no change of the streak, no pause, whatever Retry-After it carries. The task's own lease is
+    counted, on the task's own platform only."""
+    limits = {"pause_after_errors": 3, "pause_seconds": 5.0, "max_pause_seconds": 60.0}
+    queue.sync_platform_limits(
+        [PlatformLimits("flaky", 4, FAST, **limits), PlatformLimits("steady", 4, FAST, **limits)]
+    )
+    (task_id,) = add_platform_tasks(conn, "flaky", add_stores(conn, 1, platform="flaky"))
+    (earlier,) = queue.claim_many(ROLE, "w1", 8)
+    assert queue.defer(earlier, 0)  # given back; claimed again under a new lease
+    (held,) = queue.claim_many(ROLE, "w2", 8)
+    assert held.id == earlier.id == task_id
+    assert held.lease_token != earlier.lease_token
+    add_platform_tasks(conn, "flaky", add_stores(conn, 1, platform="flaky"))
+    (done,) = queue.claim_many(ROLE, "w3", 8)
+    assert queue.complete(done)
+    assert queue.platform_error(held, "HTTP 500") is None  # counted: a streak of 1
+    before = platform_row(conn, "flaky")
+    assert (before["error_streak"], before["errors_total"], before["pauses"]) == (1, 1, 0)
+
+    not_held = [
+        Lease(held.id, uuid.uuid4()),  # another's making
+        earlier.lease,  # the task's earlier claim
+        done.lease,  # a finished task
+        Lease(2**31 - 1, uuid.uuid4()),  # no such task
+    ]
+    for lease in not_held:
+        for retry_after in (None, 30.0, 86_400.0):
+            assert queue.platform_error(lease, "HTTP 503", retry_after=retry_after) is None, lease
+    for token in (None, uuid.uuid4()):
+        assert conn.execute(
+            "SELECT paused, wait_seconds FROM platform_error(%s, %s, 'HTTP 503', interval '1 hour')",
+            (held.id, token),
+        ).fetchone() == (False, 0.0)
+    assert platform_row(conn, "flaky") == before, "an error without the task's lease was counted"
+    assert status_of(queue, "flaky")["state"] == "open"
+
+    # A held task of steady pauses steady, not flaky: the platform is the task's own.
+    add_platform_tasks(conn, "steady", add_stores(conn, 1, platform="steady"))
+    (steady,) = queue.claim_many(ROLE, "w4", 8)
+    assert steady.platform == "steady"
+    assert queue.platform_error(steady, "HTTP 429", retry_after=30) == pytest.approx(30, abs=0.01)
+    assert status_of(queue, "steady")["state"] == "paused"
+    assert platform_row(conn, "flaky") == before
+
+    # The task's own lease: counted (the streak goes on), and a Retry-After pauses.
+    assert queue.platform_error(held, "HTTP 500") is None
+    assert platform_row(conn, "flaky")["error_streak"] == 2
+    assert queue.platform_error(held, "HTTP 503", retry_after=30) == pytest.approx(30, abs=0.01)
+    row = status_of(queue, "flaky")
+    assert (row["state"], row["pauses"], row["errors_total"], row["pause_reason"]) == (
+        "paused",
+        1,
+        3,
+        "HTTP 503",
+    )
+    assert_platform_counters_consistent(conn)
+
+
+def test_an_answer_of_a_task_that_is_not_the_probe_leaves_the_breaker_as_it_is(
+    conn: psycopg.Connection, queue: TaskQueue
+):
+    """platform_answered by a held task that is not its platform's probe (a task claimed before
+    the pause, another worker's, the probe under a token of another's making) does nothing: a
+    paused platform stays paused, a probing one keeps probing with the same probe. Only the
+    probe's own answer reopens it."""
+    queue.sync_platform_limits(
+        [PlatformLimits("flaky", 4, 100.0, pause_after_errors=1, pause_seconds=0.3, max_pause_seconds=1.0)]
+    )
+    other = another_workers_task(queue, "flaky")
+    add_platform_tasks(conn, "flaky", add_stores(conn, 4, platform="flaky"))
+    (bystander,) = queue.claim_many(ROLE, "w", 1, start=True)  # claimed while open: no probe
+    assert queue.platform_request(bystander, first=True).decision == "go"
+
+    assert queue.platform_error(other, "HTTP 500") == pytest.approx(0.3)
+    paused = platform_row(conn, "flaky")
+    for held in (bystander, other):
+        assert not queue.platform_answered(held)
+    assert platform_row(conn, "flaky") == paused
+    assert status_of(queue, "flaky")["state"] == "paused"
+
+    time.sleep(0.35)
+    (probe,) = queue.claim_many(ROLE, "w2", 8)
+    assert queue.platform_request(probe, first=True).decision == "probe"
+    probing = platform_row(conn, "flaky")
+    assert (probing["probe_task_id"], probing["probe_sent"], probing["pauses"]) == (probe.id, True, 1)
+    for held in (bystander, other, Lease(probe.id, uuid.uuid4())):
+        assert not queue.platform_answered(held)
+    assert platform_row(conn, "flaky") == probing
+    row = status_of(queue, "flaky")
+    assert (row["state"], row["pauses"], row["probe_task_id"]) == ("probing", 1, probe.id)
+    # The platform is still held off for every task but its probe.
+    assert queue.platform_request(bystander, first=False).decision == "paused"
+    assert queue.claim_many(ROLE, "w3", 8) == []
+
+    assert queue.platform_answered(probe)
+    row = status_of(queue, "flaky")
+    assert (row["state"], row["pauses"], row["probe_task_id"]) == ("open", 0, None)
+    assert queue.platform_request(bystander, first=False).decision == "go"
+    assert_platform_counters_consistent(conn)
+
+
+def test_a_pause_a_worker_causes_is_bounded_by_max_pause_seconds(conn: psycopg.Connection, queue: TaskQueue):
+    """However long the Retry-After a held task reports (through a real Worker's permit, through
+    the queue, or straight to SQL past the queue's cap of a day), the pause lasts no longer than
+    the platform's max_pause_seconds, which the admin's sync sets (600 s unless told). The worker
+    gives its task back for that pause, not for the Retry-After."""
+    queue.sync_platform_limits(
+        [
+            PlatformLimits("capped", 4, FAST, max_pause_seconds=5.0),
+            PlatformLimits("default", 4, FAST),
+            PlatformLimits("raw", 4, FAST, max_pause_seconds=7.0),
+        ]
+    )
+    (capped_id,) = add_platform_tasks(conn, "capped", add_stores(conn, 1, platform="capped"))
+    seen: dict[str, Any] = {}
+
+    def handler(task: Task, ctx: TaskContext) -> None:
+        assert ctx.permit is not None
+        with ctx.permit.request():
+            pause = ctx.permit.report_error("HTTP 429", retry_after=365 * 86_400.0)
+        seen["pause"] = pause
+        assert pause is not None
+        raise DeferTask(pause, f"platform paused for {pause:.0f} s")
+
+    stats = Worker(queue, ROLE, handler, batch_size=1, time_budget_seconds=20).run()
+    assert (stats.claimed, stats.deferred) == (1, 1)
+    assert seen["pause"] == pytest.approx(5.0)
+    assert _pause_length(conn, "capped") == pytest.approx(5.0, abs=1e-6)
+    row = status_of(queue, "capped")
+    assert row["state"] == "paused" and 4 < float(row["pause_seconds_left"]) <= 5
+    task = queue.get(capped_id)
+    assert task is not None and task.scheduled_for is not None
+    assert (task.status, task.retry_count) == ("pending", 0)
+    assert 4 < (task.scheduled_for - db_now(conn)).total_seconds() <= 5
+
+    for p in ("default", "raw"):
+        add_platform_tasks(conn, p, add_stores(conn, 1, platform=p))
+    held = {t.platform: t for t in queue.claim_many(ROLE, "w", 8)}
+    assert set(held) == {"default", "raw"}
+    assert queue.platform_error(held["default"], "HTTP 503", retry_after=float("inf")) == pytest.approx(600)
+    assert _pause_length(conn, "default") == pytest.approx(600, abs=1e-6)
+    assert conn.execute(
+        "SELECT paused, wait_seconds FROM platform_error(%s, %s, 'HTTP 429', interval '1000 days')",
+        (held["raw"].id, held["raw"].lease_token),
+    ).fetchone() == (True, pytest.approx(7.0))
+    assert _pause_length(conn, "raw") == pytest.approx(7.0, abs=1e-6)
+    assert_platform_counters_consistent(conn)
+
+
+# -- the admin's pause -------------------------------------------------------------------------
+
+
+def test_the_admin_pauses_and_resumes_a_platform_by_hand(conn: psycopg.Connection, queue: TaskQueue):
+    """platform_pause holds a platform off for the seconds given, with the reason shown: no claims
+    of it, its tasks in flight told to give themselves back; then one probe first, as after any
+    pause. platform_resume ends a pause at once, with no probe. Seconds outside 1 to 86400 (NaN
+    and infinity among them) and a platform without limits are refused in words, changing
+    nothing."""
+    queue.sync_platform_limits([PlatformLimits("limited", 3, FAST), PlatformLimits("steady", 3, FAST)])
+    add_platform_tasks(conn, "limited", add_stores(conn, 6, platform="limited"))
+    (held,) = queue.claim_many(ROLE, "w", 1, start=True)
+
+    began = db_now(conn)
+    until = queue.platform_pause("limited", 120, "maintenance window")
+    assert 119.5 < (until - began).total_seconds() <= 121
+    row = status_of(queue, "limited")
+    assert (row["state"], row["pause_reason"], row["pauses"], row["paused_until"]) == (
+        "paused",
+        "maintenance window",
+        1,
+        until,
+    )
+    assert 119 < float(row["pause_seconds_left"]) <= 120
+    assert queue.claim_many(ROLE, "w2", 8) == []
+    decision = queue.platform_request(held, first=True)
+    assert decision.decision == "paused" and 119 < decision.wait_seconds <= 120
+    wait = queue.claim_wait(ROLE)
+    assert wait is not None and 119 < wait <= 120
+
+    snapshot = conn.execute("SELECT l::text FROM tq_platforms l ORDER BY platform").fetchall()
+    for seconds in (0, 0.5, -1, 86_400.5, 86_401, 1e9, float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(QueueInputError) as raised:
+            queue.platform_pause("steady", seconds, "too long or too short")
+        assert raised.value.sqlstate == "22023"
+        assert raised.value.message.startswith("platform_pause: seconds must be between 1 and 86400, got "), (
+            seconds,
+            raised.value.message,
+        )
+        assert "up to a day" in (raised.value.hint or "")
+    for refuse in (lambda: queue.platform_pause("nosuch", 60), lambda: queue.platform_resume("nosuch")):
+        with pytest.raises(QueueInputError, match="platform must be a platform with limits, got 'nosuch'"):
+            refuse()
+    assert conn.execute("SELECT l::text FROM tq_platforms l ORDER BY platform").fetchall() == snapshot
+
+    # Resumed: open at once, no probe; every free slot is claimed again.
+    queue.platform_resume("limited")
+    row = status_of(queue, "limited")
+    assert (row["state"], row["pauses"], row["probe_task_id"], row["error_streak"]) == ("open", 0, None, 0)
+    assert platform_row(conn, "limited")["paused_until"] is None
+    assert queue.platform_request(held, first=True).decision == "go"
+    assert len(queue.claim_many(ROLE, "w2", 8)) == 2
+
+    # The bounds are taken: a day, then (a new pause replaces it) a second, with the default
+    # reason; once it is over, one probe first.
+    add_platform_tasks(conn, "steady", add_stores(conn, 3, platform="steady"))
+    began = db_now(conn)
+    until = queue.platform_pause("steady", 86_400)
+    assert 86_399.5 < (until - began).total_seconds() <= 86_401
+    until = queue.platform_pause("steady", 1)
+    row = status_of(queue, "steady")
+    assert (row["state"], row["pause_reason"], row["pauses"]) == ("paused", "paused by hand", 2)
+    assert 0 < float(row["pause_seconds_left"]) <= 1
+    assert queue.claim_many(ROLE, "w3", 8) == []
+    time.sleep(max(0.0, (until - db_now(conn)).total_seconds()) + 0.05)
+    assert status_of(queue, "steady")["state"] == "probing"
+    (probe,) = queue.claim_many(ROLE, "w3", 8)
+    assert probe.platform == "steady"
+    assert platform_row(conn, "steady")["probe_task_id"] == probe.id
+    assert_platform_counters_consistent(conn)
 
 
 # -- counters ----------------------------------------------------------------------------------
@@ -662,19 +914,20 @@ def test_slots_come_back_on_every_path(conn: psycopg.Connection, queue: TaskQueu
     stored = [t.id for t in tasks if t.dispensary_id is not None]
     loose = [t.id for t in tasks if t.dispensary_id is None]
     ids = stored[:8] + loose[:1] + stored[8:] + loose[1:]
+    held = {t.id: t for t in tasks}
     assert in_flight(conn, "limited") == (12, 12)
 
     def released(n_left: int) -> None:
         assert in_flight(conn, "limited") == (n_left, n_left)
         assert_platform_counters_consistent(conn)
 
-    assert queue.complete_many("w", {ids[0]: None}) == {ids[0]}
+    assert queue.complete_many({held[ids[0]].lease: None}) == {ids[0]}
     released(11)
-    assert queue.fail(ids[1], "w", "boom") == "pending"
+    assert queue.fail(held[ids[1]], "boom") == "pending"
     released(10)
-    assert queue.fail(ids[2], "w", "boom", retryable=False) == "failed"
+    assert queue.fail(held[ids[2]], "boom", retryable=False) == "failed"
     released(9)
-    assert queue.defer(ids[3], "w", 5)
+    assert queue.defer(held[ids[3]], 5)
     released(8)
     assert queue.cancel(ids[4])
     released(7)
@@ -747,8 +1000,9 @@ def test_sync_changes_limits_and_keeps_state(conn: psycopg.Connection, queue: Ta
     only the room left); bad input raises QueueInputError and changes nothing."""
     assert queue.sync_platform_limits([PlatformLimits("alpha", 5, 10.0)]) == 1
     add_platform_tasks(conn, "alpha", add_stores(conn, 8, platform="alpha"))
-    assert len(queue.claim_many(ROLE, "w", 3)) == 3
-    assert queue.platform_error("alpha", None, "HTTP 500") is None
+    tasks = queue.claim_many(ROLE, "w", 3)
+    assert len(tasks) == 3
+    assert queue.platform_error(tasks[0], "HTTP 500") is None
     before = platform_row(conn, "alpha")
     assert (before["max_in_flight"], before["burst"], before["in_flight"], before["error_streak"]) == (
         5,
@@ -820,8 +1074,9 @@ def test_claim_wait_tells_how_long_until_a_claim_could_take_work(conn: psycopg.C
     assert 0 < wait <= 0.5
 
     queue.sync_platform_limits([PlatformLimits("paused", 2, FAST)])
+    other = another_workers_task(queue, "paused")
     add_platform_tasks(conn, "paused", add_stores(conn, 1, platform="paused"))
-    assert queue.platform_error("paused", None, "HTTP 429", retry_after=30) == pytest.approx(30, abs=0.01)
+    assert queue.platform_error(other, "HTTP 429", retry_after=30) == pytest.approx(30, abs=0.01)
     wait = queue.claim_wait(ROLE)
     assert wait is not None
     assert 0 < wait <= 0.5, "the full platform's poll is the sooner"
@@ -850,16 +1105,18 @@ def test_a_task_done_with_its_requests_gives_its_slot_back(conn: psycopg.Connect
     add_platform_tasks(conn, "limited", add_stores(conn, 4, platform="limited"))
     first, second = queue.claim_many(ROLE, "w", 8, start=True)
     assert queue.claim_many(ROLE, "w2", 8) == []
-    assert queue.platform_release(first.id, "w")
+    # Fenced: only the task's lease gives its slot back, not a token of another's making.
+    assert not queue.platform_release(Lease(second.id, uuid.uuid4()))
+    assert in_flight(conn, "limited") == (2, 2)
+    assert queue.platform_release(first)
     assert in_flight(conn, "limited") == (1, 1)
     assert queue.get(first.id).status == "running"  # type: ignore[union-attr]
-    assert not queue.platform_release(first.id, "w2"), "fenced: only the owner gives the slot back"
     [third] = queue.claim_many(ROLE, "w2", 8)
     assert in_flight(conn, "limited") == (2, 2)
-    assert queue.complete_many("w", {first.id: None}) == {first.id}
+    assert queue.complete_many({first.lease: None}) == {first.id}
     assert in_flight(conn, "limited") == (2, 2), "its slot was already back: nothing freed twice"
-    assert not queue.platform_release(first.id, "w")
-    assert queue.complete_many("w", {second.id: None}) == {second.id}
-    assert queue.complete_many("w2", {third.id: None}) == {third.id}
+    assert not queue.platform_release(first)
+    assert queue.complete_many({second.lease: None}) == {second.id}
+    assert queue.complete_many({third.lease: None}) == {third.id}
     assert in_flight(conn, "limited") == (0, 0)
     assert_platform_counters_consistent(conn)

@@ -20,7 +20,7 @@ from tq_pipelines.cli import main
 from tq_pipelines.crawl.platforms import load_platform_settings, sync_limits
 from tq_pipelines.defs.resources import CrawlResource, QueueResource
 from tq_pipelines.defs.sensors.platforms import PLATFORM_LIMITS, platform_status_sensor
-from tq_pipelines.queue.api import TaskQueue
+from tq_pipelines.queue.api import Task, TaskQueue
 
 # Nothing listens there: the sensors and the command read the file, they never send a request.
 FILE = """\
@@ -64,9 +64,19 @@ def limits_in_queue(conn: psycopg.Connection) -> dict[str, tuple[int, float, int
     return {p: (m, r, b) for p, m, r, b in rows}
 
 
-def pause_jane(queue: TaskQueue) -> None:
+def another_workers_jane_task(queue: TaskQueue) -> Task:
+    """A jane task (store_discovery, of no store) that another worker holds: what meets jane's
+    outage (a platform's errors are reported by a held task, on its own platform). Claimed before
+    jane has limits, so it holds none of jane's slots."""
+    queue.enqueue("store_discovery", platform="jane")
+    [task] = queue.claim_many("store_discovery", "other", 1, start=True)
+    assert (task.platform, task.send_at) == ("jane", None)
+    return task
+
+
+def pause_jane(queue: TaskQueue, held: Task) -> None:
     """Another worker met a 503 with Retry-After 60 on jane: jane is paused for everyone."""
-    assert queue.platform_error("jane", None, OUTAGE, retry_after=60) is not None
+    assert queue.platform_error(held, OUTAGE, retry_after=60) is not None
 
 
 # -- platform_status_sensor ---------------------------------------------------------------------
@@ -89,6 +99,7 @@ def test_platform_status_sensor_loads_the_limits_and_observes_each_change_of_sta
     db_url: str, conn: psycopg.Connection, queue: TaskQueue, tmp_path: Path, instance: dg.DagsterInstance
 ):
     path = platforms_file(tmp_path)
+    other = another_workers_jane_task(queue)
     assert limits_in_queue(conn) == {}
 
     # The first tick loads the file into the queue and observes every platform.
@@ -114,7 +125,7 @@ def test_platform_status_sensor_loads_the_limits_and_observes_each_change_of_sta
     assert second.skip_message == first.skip_message
 
     # jane pauses: the next tick observes it, once.
-    pause_jane(queue)
+    pause_jane(queue, other)
     third = tick(instance, db_url, path, second.cursor)
     [meta] = observed(third)
     assert (meta["jane state"], meta["jane paused"], meta["jane pause_reason"]) == ("paused", 1, OUTAGE)
@@ -153,6 +164,7 @@ def test_a_paused_platform_is_alerted_once_per_outage(
     webhook: Webhook,
     instance: dg.DagsterInstance,
 ):
+    other = another_workers_jane_task(queue)
     sync_limits(queue, load_platform_settings(platforms_file(tmp_path)))
     [store] = add_stores(conn, 1, platform="jane")
     task_id = queue.enqueue("product_discovery", store, platform="jane")
@@ -161,7 +173,7 @@ def test_a_paused_platform_is_alerted_once_per_outage(
     assert (healthy.skip_message, webhook.posts) == ("healthy", [])
 
     # The outage: one alert, naming the platform and the answer that paused it.
-    pause_jane(queue)
+    pause_jane(queue, other)
     first = evaluate_health(instance, db_url, webhook, healthy.cursor)
     assert webhook.titles() == ["platform jane is paused"]
     post = webhook.posts[0]
@@ -175,20 +187,20 @@ def test_a_paused_platform_is_alerted_once_per_outage(
     conn.execute("UPDATE tq_platforms SET paused_until = now() WHERE platform = 'jane'")  # the pause ran out
     [probe] = queue.claim_many("product_discovery", "prober", 5, start=True)
     assert probe.id == task_id
-    assert queue.platform_request(probe.id, "prober", first=True).decision == "probe"
+    assert queue.platform_request(probe, first=True).decision == "probe"
     probing = evaluate_health(instance, db_url, webhook, again.cursor)
     assert [r["state"] for r in queue.platform_status() if r["platform"] == "jane"] == ["probing"]
     assert probing.skip_message == "alerting: paused:jane"
     assert webhook.titles() == ["platform jane is paused"]  # not sent again
 
     # The probe completes: jane is open, the alert's key clears.
-    assert queue.complete(probe.id, "prober", {"ok": True})
+    assert queue.complete(probe, {"ok": True})
     assert [r["state"] for r in queue.platform_status() if r["platform"] == "jane"] == ["open"]
     cleared = evaluate_health(instance, db_url, webhook, probing.cursor)
     assert (cleared.skip_message, json.loads(cleared.cursor)["alerts"]) == ("healthy", {})
 
     # The next outage is a new one: alerted again.
-    pause_jane(queue)
+    pause_jane(queue, other)
     evaluate_health(instance, db_url, webhook, cleared.cursor)
     assert webhook.titles() == ["platform jane is paused"] * 2
 
@@ -214,6 +226,7 @@ def test_tq_platforms_sync_loads_the_file_and_prints_each_platform(
 ):
     monkeypatch.setenv("TQ_DATABASE_URL", db_url)
     path = platforms_file(tmp_path)
+    other = another_workers_jane_task(queue)
 
     assert main(["platforms", "--sync", "--file", str(path)]) == 0
     out = capsys.readouterr().out
@@ -228,7 +241,7 @@ def test_tq_platforms_sync_loads_the_file_and_prints_each_platform(
     [store] = add_stores(conn, 1)
     queue.enqueue("product_discovery", store, platform="dutchie")
     assert len(queue.claim_many("product_discovery", "someone", 5, start=True)) == 1
-    pause_jane(queue)
+    pause_jane(queue, other)
     assert main(["platforms", "--sync", "--file", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"limits loaded from {path}: 0 platform(s) changed"

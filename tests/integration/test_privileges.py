@@ -63,9 +63,11 @@ INVOKER_FUNCTIONS = {
     "tq_require_role",
     "tq_check_task",
     "tq_check_prune",
-    # the claim's bookkeeping: store heads, platform counters and quotas (0003, 0006)
+    # the claim's bookkeeping: store heads, platform counters and quotas (0003, 0006; one
+    # store's head, 0014)
     "tq_lock_and_refresh",
     "tq_refresh_heads",
+    "tq_refresh_head",
     "tq_platforms_apply",
     "tq_platform_quota",
     "tq_platform_tolerance",
@@ -83,6 +85,20 @@ INVOKER_FUNCTIONS = {
     "tq_grant_worker",
     # the ways a worker could write the queue around its functions, for tq grant (0012)
     "tq_worker_write_routes",
+    # lease tokens: the hash, the check of a held task and of a batch's leases, URLs on a
+    # platform's hosts, a registration's session (0013)
+    "tq_lease_hash",
+    "tq_held_task",
+    "tq_check_leases",
+    "tq_url_allowed",
+    "tq_url_shown",
+    "tq_session_pid",
+    # the handlers' writes, called by their lease-checking API functions (0013)
+    "tq_store_menu",
+    "tq_mark_store_gone",
+    "tq_save_entry_point",
+    "tq_upsert_listed_stores",
+    "tq_sync_limits",
 }
 
 
@@ -351,11 +367,39 @@ def test_a_worker_loop_drains_fails_and_retries_as_the_worker(worker_url: str, c
     assert status_counts(conn) == {"completed": 4, "pending": 4}
 
 
+def _enqueue(w: psycopg.Connection, role: str, store: int | None, payload: Any = None) -> int | None:
+    """enqueue_task_once as the worker: the new task's id (None: one is queued already)."""
+    row = w.execute(
+        query("enqueue_task_once"),
+        {
+            "role": role,
+            "dispensary_id": store,
+            "platform": "dutchie" if store is None else None,
+            "priority": 0,
+            "scheduled_for": None,
+            "payload": Jsonb(payload) if payload is not None else None,
+        },
+    ).fetchone()
+    assert row is not None
+    return row["id"]
+
+
+def _claim(w: psycopg.Connection, role: str) -> dict[str, Any]:
+    """One task of ``role`` claimed and started by the worker: its id and lease."""
+    [row] = w.execute(
+        "SELECT (c.task).id AS task_id, c.lease FROM claim_tasks(%s, 'w-1', 1, true) c", (role,)
+    ).fetchall()
+    return dict(row)
+
+
 def test_the_crawl_handlers_writes_go_through_functions(worker_url: str, conn: psycopg.Connection):
+    """Each handler's write, as the worker role, under the lease of a task of its role."""
     with psycopg.connect(worker_url, autocommit=True, row_factory=dict_row) as w:
+        _enqueue(w, "store_discovery", None, {"platform": "dutchie", "region": "az"})
+        listing = _claim(w, "store_discovery")
         listed = w.execute(
             query("upsert_listed_stores"),
-            {"platform": "dutchie", "stores": Jsonb([{"id": "dir-1", "name": "One", "region": "az"}])},
+            {**listing, "stores": Jsonb([{"id": "dir-1", "name": "One", "region": "az"}])},
         ).fetchall()
         store = listed[0]["dispensary_id"]
         assert (
@@ -363,39 +407,40 @@ def test_the_crawl_handlers_writes_go_through_functions(worker_url: str, conn: p
             == "dir-1"
         )
 
-        w.execute("SELECT save_entry_point(%s, %s, %s, %s)", (store, "dutchie", "pid-1", "http://menu/1"))
+        _enqueue(w, "entry_point_discovery", store)
+        entry = _claim(w, "entry_point_discovery")
+        w.execute(query("save_entry_point"), {**entry, "platform_id": "pid-1", "menu_url": "/menu/1"})
         assert conn.execute(
             "SELECT d.platform_dispensary_id, c.menu_url FROM dispensaries d "
             "JOIN store_crawl_state c ON c.dispensary_id = d.id WHERE d.id = %s",
             (store,),
-        ).fetchone() == ("pid-1", "http://menu/1")
-        task = w.execute(
-            query("enqueue_task_once"),
-            {
-                "role": "product_discovery",
-                "dispensary_id": store,
-                "platform": "dutchie",
-                "priority": 0,
-                "scheduled_for": None,
-                "payload": None,
-            },
-        ).fetchone()["id"]
-        assert task is not None
+        ).fetchone() == ("pid-1", "/menu/1")
+        task = _enqueue(w, "product_discovery", store)
+        assert w.execute("SELECT complete_task(%(task_id)s, %(lease)s, '{}')", entry).fetchone()[
+            "complete_task"
+        ]
 
+        crawl = _claim(w, "product_discovery")
+        assert crawl["task_id"] == task
         products = normalise_menu(
             [{"id": "A", "name": "A", "category": "flower", "price": 10, "in_stock": True}]
         )
         stored = w.execute(
-            query("store_menu"),
-            {"dispensary_id": store, "menu_hash": menu_hash(products), "products": Jsonb(products)},
+            query("store_menu"), {**crawl, "menu_hash": menu_hash(products), "products": Jsonb(products)}
         ).fetchone()
         assert (stored["seen"], stored["new"]) == (1, 1)
 
-        w.execute("SELECT mark_store_gone(%s, %s)", (store, "dutchie"))
+        w.execute(query("mark_store_gone"), crawl)
         assert conn.execute("SELECT crawl_enabled FROM dispensaries WHERE id = %s", (store,)).fetchone() == (
             False,
         )
-        w.execute("SELECT save_entry_point(%s, %s, %s, %s)", (store, "dutchie", "pid-1", "http://menu/1"))
+        # A store that resolves again is crawled again.
+        assert w.execute("SELECT complete_task(%(task_id)s, %(lease)s, '{}')", crawl).fetchone()[
+            "complete_task"
+        ]
+        _enqueue(w, "entry_point_discovery", store)
+        entry = _claim(w, "entry_point_discovery")
+        w.execute(query("save_entry_point"), {**entry, "platform_id": "pid-1", "menu_url": "/menu/1"})
         assert conn.execute("SELECT crawl_enabled FROM dispensaries WHERE id = %s", (store,)).fetchone() == (
             True,
         )
@@ -403,9 +448,17 @@ def test_the_crawl_handlers_writes_go_through_functions(worker_url: str, conn: p
         assert w.execute(query("refresh_store_analytics")).fetchone()["stores"] == 1
         assert w.execute(query("analytics_summary")).fetchone()["stores"] == 1
 
-        with pytest.raises(psycopg.errors.InvalidParameterValue, match="dispensary_id must be a store"):
-            w.execute("SELECT save_entry_point(%s, %s, %s, %s)", (-1, "dutchie", "x", "y"))
+        # Under a lease that is not the task's: refused, in words, and nothing written.
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="not held under this lease"):
+            w.execute(
+                query("save_entry_point"),
+                {**entry, "lease": uuid.uuid4(), "platform_id": "pid-2", "menu_url": "/menu/2"},
+            )
+        assert conn.execute(
+            "SELECT platform_dispensary_id FROM dispensaries WHERE id = %s", (store,)
+        ).fetchone() == ("pid-1",)
 
+        w.execute("SELECT complete_task(%(task_id)s, %(lease)s, '{}')", entry)
         conn.execute("UPDATE worker_tasks SET status = 'completed' WHERE id = %s", (task,))
         ids = w.execute("SELECT id FROM enqueue_demo_resyncs() AS id")
         assert ids.rowcount == 1
@@ -416,12 +469,16 @@ def test_task_still_owned_locks_the_task_until_the_handlers_commit(worker_url: s
     with TaskQueue.connect(worker_url) as queue:
         [task] = queue.claim_many(ROLE, "w-1", 1, start=True)
     with psycopg.connect(worker_url) as w:
-        assert w.execute("SELECT owned FROM task_still_owned(%s, %s)", (task.id, "w-1")).fetchall() == [(1,)]
+        assert w.execute(
+            "SELECT owned FROM task_still_owned(%s, %s)", (task.id, task.lease_token)
+        ).fetchall() == [(1,)]
         # The row lock is the transaction's: a writer of the task waits (here: refused at once).
         with pytest.raises(psycopg.errors.LockNotAvailable):
             conn.execute("SELECT 1 FROM worker_tasks WHERE id = %s FOR UPDATE NOWAIT", (task.id,))
         w.rollback()
-        assert w.execute("SELECT owned FROM task_still_owned(%s, %s)", (task.id, "w-2")).fetchall() == []
+        assert (
+            w.execute("SELECT owned FROM task_still_owned(%s, %s)", (task.id, uuid.uuid4())).fetchall() == []
+        )
 
 
 def test_the_prune_batches_delete_only_what_is_past_their_floors(worker_url: str, conn: psycopg.Connection):
@@ -543,6 +600,7 @@ FORBIDDEN = [
     "CREATE VIEW rogue AS SELECT 1",
     "SELECT tq_platforms_apply(ARRAY['dutchie'], ARRAY[-5], NULL, NULL)",
     "SELECT tq_refresh_heads(NULL, NULL)",
+    "SELECT tq_refresh_head(NULL, NULL)",
     "CALL tq_secure_functions()",
     "CALL tq_grant_worker(current_user)",
     "SELECT * FROM tq_migrations",
@@ -675,7 +733,7 @@ def test_an_admin_role_owns_the_schema_migrates_and_the_worker_still_drains(
     add_tasks(conn, ROLE, add_stores(conn, 3), 1)
     with TaskQueue.connect(as_role(db_url, worker)) as queue:
         claimed = queue.claim_many(ROLE, "w-1", 10, start=True)
-        assert queue.complete_many("w-1", {t.id: {"ok": True} for t in claimed}) == {t.id for t in claimed}
+        assert queue.complete_many({t.lease: {"ok": True} for t in claimed}) == {t.id for t in claimed}
     with psycopg.connect(as_role(db_url, worker), autocommit=True) as w:
         assert w.execute("SELECT later_api()").fetchone() == (2,)
     assert status_counts(conn) == {"completed": 3}
@@ -792,23 +850,24 @@ def test_the_password_is_sent_as_scram_whatever_the_servers_password_encryption(
     assert stored.startswith("SCRAM-SHA-256$")
 
 
-@pytest.mark.parametrize("platform", [None, "", "  ", "p" * 60])
-def test_the_handlers_store_functions_refuse_a_bad_platform_in_words(
-    worker_url: str, conn: psycopg.Connection, platform: str | None
+def test_the_helpers_behind_the_handlers_writes_are_not_the_workers(
+    worker_url: str, conn: psycopg.Connection
 ):
+    """The bodies of the handlers' writes take a store, not a lease: only their lease-checking
+    API functions call them, and the worker may not."""
     (store,) = add_stores(conn, 1)
     before = conn.execute(
         "SELECT (SELECT array_agg(d) FROM dispensaries d), (SELECT array_agg(c) FROM store_crawl_state c)"
     ).fetchone()
     with psycopg.connect(worker_url, autocommit=True) as w:
-        for statement, params in (
-            ("SELECT save_entry_point(%s, %s, 'pid', 'http://menu')", (store, platform)),
-            ("SELECT mark_store_gone(%s, %s)", (store, platform)),
+        for statement in (
+            "SELECT tq_mark_store_gone(%s, 'dutchie')",
+            "SELECT * FROM tq_store_menu(%s, 'h', '[]')",
+            "SELECT * FROM tq_upsert_listed_stores("
+            "'dutchie', jsonb_build_array(jsonb_build_object('id', %s)))",
         ):
-            with pytest.raises(psycopg.errors.InvalidParameterValue) as refused:
-                w.execute(statement, params)
-            assert ": platform must " in str(refused.value), statement
-            assert "1 to 50 characters" in (refused.value.diag.message_hint or ""), statement
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                w.execute(statement, (store,))
     after = conn.execute(
         "SELECT (SELECT array_agg(d) FROM dispensaries d), (SELECT array_agg(c) FROM store_crawl_state c)"
     ).fetchone()

@@ -4,6 +4,7 @@ the views, and the per-store state the triggers keep."""
 
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
@@ -13,7 +14,7 @@ import psycopg
 import pytest
 
 from tests.helpers import add_stores, add_tasks, assert_store_state_consistent, status_counts
-from tq_pipelines.queue.api import QueueInputError, TaskQueue
+from tq_pipelines.queue.api import Lease, QueueInputError, TaskQueue
 
 ROLE = "product_resync"
 
@@ -52,21 +53,27 @@ def heads(conn: psycopg.Connection, dispensary_id: int) -> list[tuple]:
 # ------------------------------------------------------------------------------------------------
 
 
+CLAIM_ONE = "SELECT (c.task).id, (c.task).dispensary_id, c.lease FROM claim_tasks('product_resync', %s, 1) c"
+
+
 @pytest.mark.parametrize(
     ("stores", "call"),
     [
-        pytest.param(
-            2, "SELECT id, dispensary_id FROM claim_tasks('product_resync', %s, 1)", id="claim_tasks"
-        ),
+        pytest.param(2, CLAIM_ONE, id="claim_tasks"),
         pytest.param(
             2,
-            "SELECT id, dispensary_id FROM claim_tasks('product_resync', %s, 1, true)",
+            "SELECT (c.task).id, (c.task).dispensary_id, c.lease"
+            " FROM claim_tasks('product_resync', %s, 1, true) c",
             id="claim_tasks-start",
         ),
+        # What claim_task (dropped in 0013) returned, a whole row, now with its lease beside it.
         pytest.param(
-            2, "SELECT (c).id, (c).dispensary_id FROM claim_task('product_resync', %s) c", id="claim_task"
+            2,
+            "SELECT ((c).task).id, ((c).task).dispensary_id, (c).lease"
+            " FROM claim_tasks('product_resync', %s, 1) c",
+            id="claim_tasks-whole-row",
         ),
-        pytest.param(1, "SELECT id, dispensary_id FROM claim_tasks('product_resync', %s, 1)", id="one-store"),
+        pytest.param(1, CLAIM_ONE, id="one-store"),
     ],
 )
 def test_074_defect_5_open_transactions_claim_different_stores_without_unique_violation(
@@ -83,9 +90,11 @@ def test_074_defect_5_open_transactions_claim_different_stores_without_unique_vi
         got_a = [r for r in a.execute(call, ("wA",)).fetchall() if r[0] is not None]
         got_b = [r for r in b.execute(call, ("wB",)).fetchall() if r[0] is not None]
         assert len(got_a) == 1
+        assert got_a[0][2] is not None  # each claimed task comes with its lease token
         if stores == 2:
             assert len(got_b) == 1
             assert got_a[0][1] != got_b[0][1]
+            assert got_b[0][2] is not None and got_b[0][2] != got_a[0][2]
         else:
             assert got_b == []
         a.commit()
@@ -99,7 +108,7 @@ def test_074_defect_5_open_transactions_claim_different_stores_without_unique_vi
 
 @pytest.mark.parametrize("setup", ["empty", "future-only", "store-busy"])
 def test_074_defect_6_empty_claim_returns_nothing(conn: psycopg.Connection, queue: TaskQueue, setup: str):
-    """Nothing due: claim is None, claim_many is [], claim_tasks has no row, claim_task IS NULL."""
+    """Nothing due: claim is None, claim_many is [], claim_tasks has no row (and so no lease)."""
     if setup != "empty":
         (store,) = add_stores(conn, 1)
         if setup == "future-only":
@@ -113,7 +122,9 @@ def test_074_defect_6_empty_claim_returns_nothing(conn: psycopg.Connection, queu
     assert queue.claim_many(ROLE, "w", 10) == []
     assert queue.claim_many(ROLE, "w", 10, start=True) == []
     assert conn.execute("SELECT count(*) FROM claim_tasks('product_resync', 'w', 5)").fetchone() == (0,)
-    assert conn.execute("SELECT claim_task('product_resync', 'w') IS NULL").fetchone() == (True,)
+    assert conn.execute(
+        "SELECT (SELECT c.lease FROM claim_tasks('product_resync', 'w', 1) c) IS NULL"
+    ).fetchone() == (True,)
     assert status_counts(conn) == before
     assert_store_state_consistent(conn)
 
@@ -171,12 +182,13 @@ def test_store_with_active_task_yields_nothing(conn: psycopg.Connection, queue: 
     """While a store has a claimed task, none of its other due tasks (any role) is claimable."""
     busy, idle = add_stores(conn, 2)
     held = queue.enqueue(ROLE, busy)
-    assert queue.claim(ROLE, "holder").id == held
+    holder = queue.claim(ROLE, "holder")
+    assert holder.id == held
     waiting = queue.enqueue(other_role, busy, priority=100)
     assert queue.claim(other_role, "w") is None
     other = queue.enqueue(other_role, idle)
     assert [t.id for t in queue.claim_many(other_role, "w", 10)] == [other]
-    assert queue.complete(held, "holder", {"ok": True})
+    assert queue.complete(holder, {"ok": True})
     assert queue.claim(other_role, "w").id == waiting
 
 
@@ -297,29 +309,33 @@ def test_deleted_pending_tasks_do_not_hide_other_stores_due_work(
 
 
 def test_other_worker_cannot_start_complete_fail_or_heartbeat(conn: psycopg.Connection, queue: TaskQueue):
-    """start/complete/fail/heartbeat by a worker that does not own the task refuse and change nothing."""
+    """start/complete/fail/defer/heartbeat with a lease the task's claim did not hand out refuse
+    and change nothing."""
     (store,) = add_stores(conn, 1)
     task_id = queue.enqueue(ROLE, store)
     queue.register_worker("intruder", ROLE)
-    assert queue.claim(ROLE, "owner").id == task_id
+    owner = queue.claim(ROLE, "owner")
+    assert owner.id == task_id
     before = row(conn, task_id)
     registry_before = conn.execute("SELECT tasks_completed, tasks_failed FROM worker_registry").fetchall()
-    assert queue.start(task_id, "intruder") is False
-    assert queue.start_many("intruder", [task_id]) == set()
-    assert queue.heartbeat("intruder", [task_id]) == set()
-    assert queue.complete(task_id, "intruder", {"stolen": True}) is False
-    assert queue.complete_many("intruder", {task_id: {"stolen": True}}) == set()
-    assert queue.fail(task_id, "intruder", "boom") is None
-    assert queue.fail(task_id, "intruder", "boom", retryable=False) is None
+    intruder = Lease(task_id, uuid.uuid4())  # the task's id, with a token of the intruder's own
+    assert queue.start(intruder) is False
+    assert queue.start_many([intruder]) == set()
+    assert queue.heartbeat("intruder", [intruder]) == set()
+    assert queue.complete(intruder, {"stolen": True}) is False
+    assert queue.complete_many({intruder: {"stolen": True}}) == set()
+    assert queue.fail(intruder, "boom") is None
+    assert queue.fail(intruder, "boom", retryable=False) is None
+    assert queue.defer(intruder, 60) is False
     assert row(conn, task_id) == before
     assert (
         conn.execute("SELECT tasks_completed, tasks_failed FROM worker_registry").fetchall()
         == registry_before
     )
     # The owner still can.
-    assert queue.start(task_id, "owner") is True
-    assert queue.heartbeat("owner", [task_id]) == {task_id}
-    assert queue.complete(task_id, "owner", {"by": "owner"}) is True
+    assert queue.start(owner) is True
+    assert queue.heartbeat("owner", [owner]) == {task_id}
+    assert queue.complete(owner, {"by": "owner"}) is True
     assert queue.get(task_id).result == {"by": "owner"}
 
 
@@ -328,15 +344,15 @@ def test_cancel_takes_the_task_from_its_owner(conn: psycopg.Connection, queue: T
     a, b = add_stores(conn, 2)
     running = queue.enqueue(ROLE, a)
     claimed = queue.enqueue(ROLE, b)
-    got = {t.id for t in queue.claim_many(ROLE, "owner", 2)}
-    assert got == {running, claimed}
-    assert queue.start(running, "owner")
+    got = {t.id: t for t in queue.claim_many(ROLE, "owner", 2)}
+    assert set(got) == {running, claimed}
+    assert queue.start(got[running])
     assert queue.cancel(running) and queue.cancel(claimed)
-    assert queue.heartbeat("owner", [running, claimed]) == set()
-    assert queue.complete(running, "owner", {"late": True}) is False
-    assert queue.complete_many("owner", {claimed: 1}) == set()
-    assert queue.fail(running, "owner", "late") is None
-    assert queue.start(claimed, "owner") is False
+    assert queue.heartbeat("owner", [got[running], got[claimed]]) == set()
+    assert queue.complete(got[running], {"late": True}) is False
+    assert queue.complete_many({got[claimed].lease: 1}) == set()
+    assert queue.fail(got[running], "late") is None
+    assert queue.start(got[claimed]) is False
     for task_id in (running, claimed):
         t = queue.get(task_id)
         assert (t.status, t.result) == ("cancelled", None)
@@ -352,11 +368,12 @@ def test_cancel_of_finished_task_is_refused(conn: psycopg.Connection, queue: Tas
     """cancel_task returns false for a finished task and leaves it as it was."""
     (store,) = add_stores(conn, 1)
     task_id = queue.enqueue(ROLE, store)
-    assert queue.claim(ROLE, "w").id == task_id
+    task = queue.claim(ROLE, "w")
+    assert task.id == task_id
     if final == "completed":
-        assert queue.complete(task_id, "w", {"n": 1})
+        assert queue.complete(task, {"n": 1})
     elif final == "failed":
-        assert queue.fail(task_id, "w", "bad", retryable=False) == "failed"
+        assert queue.fail(task, "bad", retryable=False) == "failed"
     else:
         assert queue.cancel(task_id)
     before = row(conn, task_id)
@@ -365,14 +382,17 @@ def test_cancel_of_finished_task_is_refused(conn: psycopg.Connection, queue: Tas
 
 
 def test_complete_tasks_completes_only_owned_ids(conn: psycopg.Connection, queue: TaskQueue):
-    """complete_tasks returns exactly the ids the caller owned; the others are untouched."""
+    """complete_tasks returns exactly the ids the caller held; the others (another's, or not
+    claimed at all, under tokens of the caller's own) are untouched."""
     stores = add_stores(conn, 4)
     ids = [queue.enqueue(ROLE, s) for s in stores]
-    mine = {t.id for t in queue.claim_many(ROLE, "wA", 2)}
+    held = queue.claim_many(ROLE, "wA", 2)
+    mine = {t.id for t in held}
     theirs = queue.claim(ROLE, "wB").id
     (pending,) = set(ids) - mine - {theirs}
     queue.register_worker("wA", ROLE)
-    done = queue.complete_many("wA", {i: {"id": i} for i in ids})
+    leases = [t.lease for t in held] + [Lease(i, uuid.uuid4()) for i in (theirs, pending)]
+    done = queue.complete_many({x: {"id": x.task_id} for x in leases})
     assert done == mine
     assert queue.get(theirs).status == "claimed" and queue.get(theirs).result is None
     assert queue.get(pending).status == "pending"
@@ -386,12 +406,14 @@ def test_complete_tasks_with_mismatched_arrays_is_refused(conn: psycopg.Connecti
     """Task ids and results of different lengths: an input error naming both counts, nothing completed."""
     stores = add_stores(conn, 2)
     ids = [queue.enqueue(ROLE, s) for s in stores]
-    assert {t.id for t in queue.claim_many(ROLE, "w", 2)} == set(ids)
+    tasks = sorted(queue.claim_many(ROLE, "w", 2), key=lambda t: t.id)
+    assert [t.id for t in tasks] == sorted(ids)
+    ids, leases = [t.id for t in tasks], [t.lease_token for t in tasks]
     with pytest.raises(QueueInputError, match="2 task ids, 1 results"):
         # The SQL statement TaskQueue.complete_many_json sends, with one result short.
-        queue._one("complete_tasks", {"worker_id": "w", "task_ids": ids, "results": ['{"a": 1}']})
+        queue._one("complete_tasks", {"task_ids": ids, "leases": leases, "results": ['{"a": 1}']})
     with pytest.raises(psycopg.errors.InvalidParameterValue):
-        conn.execute("SELECT complete_tasks('w', %s, ARRAY['{}']::jsonb[])", (ids,))
+        conn.execute("SELECT complete_tasks(%s, %s, ARRAY['{}']::jsonb[])", (ids, leases))
     assert status_counts(conn) == {"claimed": 2}
 
 
@@ -476,10 +498,11 @@ def test_074_defect_7_fail_task_backs_off_exponentially_with_jitter(
     (store,) = add_stores(conn, 1)
     task_id = queue.enqueue(ROLE, store, max_retries=5)
     conn.execute("UPDATE worker_tasks SET retry_count = %s WHERE id = %s", (retry_count, task_id))
-    assert queue.claim_many(ROLE, "w", 1, start=True)[0].id == task_id
+    (task,) = queue.claim_many(ROLE, "w", 1, start=True)
+    assert task.id == task_id
     with conn.transaction():  # one transaction: now() is the now() fail_task saw
         (status,) = conn.execute(
-            "SELECT fail_task(%s, 'w', 'timeout talking to menu')", (task_id,)
+            "SELECT fail_task(%s, %s, 'timeout talking to menu')", (task_id, task.lease_token)
         ).fetchone()
         now = db_now(conn)
     assert status == "pending"
@@ -508,15 +531,17 @@ def test_074_defect_7_fail_task_fails_after_max_retries_and_at_once_when_not_ret
         conn.execute(
             "UPDATE worker_tasks SET scheduled_for = now() - interval '1 second' WHERE id = %s", (flaky,)
         )
-        assert queue.claim(ROLE, "w").id == flaky
-        statuses.append(queue.fail(flaky, "w", "flaky"))
+        task = queue.claim(ROLE, "w")
+        assert task.id == flaky
+        statuses.append(queue.fail(task, "flaky"))
     assert statuses == ["pending", "pending", "failed"]
     t = queue.get(flaky)
     assert (t.status, t.retry_count, t.error_message) == ("failed", 2, "flaky")
     assert t.completed_at is not None
     broken = queue.enqueue(ROLE, b, max_retries=3)
-    assert queue.claim(ROLE, "w").id == broken
-    assert queue.fail(broken, "w", "404: store gone", retryable=False) == "failed"
+    task = queue.claim(ROLE, "w")
+    assert task.id == broken
+    assert queue.fail(task, "404: store gone", retryable=False) == "failed"
     t = queue.get(broken)
     assert (t.status, t.retry_count, t.error_message) == ("failed", 0, "404: store gone")
     assert queue.claim(ROLE, "w") is None
@@ -527,17 +552,18 @@ def test_retry_jitter_spreads_tasks_that_failed_together(conn: psycopg.Connectio
     """Tasks failing in the same instant do not all come back at the same instant."""
     stores = add_stores(conn, 20)
     add_tasks(conn, ROLE, stores, 1)
-    ids = [t.id for t in queue.claim_many(ROLE, "w", 20)]
+    tasks = queue.claim_many(ROLE, "w", 20)
+    assert len(tasks) == 20
     with conn.transaction():
-        for i in ids:
-            conn.execute("SELECT fail_task(%s, 'w', 'rate limited')", (i,))
+        for t in tasks:
+            conn.execute("SELECT fail_task(%s, %s, 'rate limited')", (t.id, t.lease_token))
     times = conn.execute("SELECT count(DISTINCT scheduled_for) FROM worker_tasks").fetchone()[0]
     assert times > 1
 
 
 def test_074_defect_7_worker_registry_tracks_counts_and_status(conn: psycopg.Connection, queue: TaskQueue):
-    """register -> active; heartbeat with tasks -> active, without -> idle; complete/fail count;
-    deregister -> offline (once)."""
+    """register -> active; heartbeat with tasks -> active, without -> idle (with only leases it
+    lost: unchanged); complete/fail count; deregister -> offline (once)."""
 
     def reg(worker_id: str) -> tuple:
         return conn.execute(
@@ -551,16 +577,20 @@ def test_074_defect_7_worker_registry_tracks_counts_and_status(conn: psycopg.Con
     assert reg("w") == ("active", 0, 0)
     assert queue.heartbeat("w", []) == set()
     assert reg("w") == ("idle", 0, 0)
-    got = [t.id for t in queue.claim_many(ROLE, "w", 4)]
-    assert sorted(got) == ids
-    assert queue.heartbeat("w", got) == set(got)
+    got = queue.claim_many(ROLE, "w", 4)
+    assert sorted(t.id for t in got) == ids
+    assert queue.heartbeat("w", got) == set(ids)
     assert reg("w") == ("active", 0, 0)
-    assert queue.complete(got[0], "w", None)
-    assert queue.complete_many("w", {got[1]: [1, 2]}) == {got[1]}
-    assert queue.fail(got[2], "w", "retry me") == "pending"
-    assert queue.fail(got[3], "w", "give up", retryable=False) == "failed"
+    assert queue.complete(got[0], None)
+    assert queue.complete_many({got[1].lease: [1, 2]}) == {got[1].id}
+    assert queue.fail(got[2], "retry me") == "pending"
+    assert queue.fail(got[3], "give up", retryable=False) == "failed"
     assert reg("w") == ("active", 2, 2)
+    # Leases it no longer holds prove nothing: the registry row is left as it was.
     assert queue.heartbeat("w", got) == set()
+    assert reg("w") == ("active", 2, 2)
+    # Holding nothing, it is idle.
+    assert queue.heartbeat("w", []) == set()
     assert reg("w") == ("idle", 2, 2)
     assert queue.deregister_worker("w") is True
     assert reg("w") == ("offline", 2, 2)
@@ -1017,7 +1047,7 @@ def test_deleting_store_with_active_task(conn: psycopg.Connection, queue: TaskQu
     gone, kept = add_stores(conn, 2)
     add_tasks(conn, ROLE, [gone, kept], 2)
     queue.enqueue("product_discovery", gone)
-    claimed = {t.dispensary_id: t.id for t in queue.claim_many(ROLE, "w", 2)}
+    claimed = {t.dispensary_id: t for t in queue.claim_many(ROLE, "w", 2)}
     conn.execute("DELETE FROM dispensaries WHERE id = %s", (gone,))
     assert conn.execute("SELECT count(*) FROM worker_tasks WHERE dispensary_id = %s", (gone,)).fetchone() == (
         0,
@@ -1027,8 +1057,8 @@ def test_deleting_store_with_active_task(conn: psycopg.Connection, queue: TaskQu
     ).fetchone() == (0,)
     assert heads(conn, gone) == []
     assert_store_state_consistent(conn)
-    assert queue.complete(claimed[gone], "w", {}) is False
-    assert queue.complete(claimed[kept], "w", {}) is True
+    assert queue.complete(claimed[gone], {}) is False
+    assert queue.complete(claimed[kept], {}) is True
     assert queue.claim(ROLE, "w").dispensary_id == kept
     assert queue.claim("product_discovery", "w") is None
 
@@ -1039,15 +1069,16 @@ def test_raw_sql_release_of_claimed_task_keeps_state_consistent(conn: psycopg.Co
     a, b = add_stores(conn, 2)
     task_id = queue.enqueue(ROLE, a)
     queue.enqueue(ROLE, b)
-    got = {t.dispensary_id: t.id for t in queue.claim_many(ROLE, "old", 2)}
-    assert got[a] == task_id
+    got = {t.dispensary_id: t for t in queue.claim_many(ROLE, "old", 2)}
+    assert got[a].id == task_id
     conn.execute("UPDATE worker_tasks SET status = 'pending' WHERE id = %s", (task_id,))
     assert_store_state_consistent(conn)
     again = queue.claim(ROLE, "new")
     assert again is not None and again.id == task_id and again.worker_id == "new"
     assert_store_state_consistent(conn)
-    assert queue.complete(task_id, "old", {}) is False
-    assert queue.complete(task_id, "new", {}) is True
+    assert again.lease_token != got[a].lease_token
+    assert queue.complete(got[a], {}) is False
+    assert queue.complete(again, {}) is True
 
 
 def test_raw_sql_inserts_and_updates_keep_state_consistent(conn: psycopg.Connection, queue: TaskQueue):

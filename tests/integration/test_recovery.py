@@ -1,6 +1,7 @@
 """Leases: a claim starts one, heartbeats extend it, recover_stale_tasks gives back the tasks of
 silent workers (or fails them once out of retries) and fences their old owners out."""
 
+import dataclasses
 from datetime import datetime, timedelta
 
 import psycopg
@@ -44,7 +45,9 @@ def test_074_defect_3_claim_starts_a_lease(conn: psycopg.Connection, queue: Task
     assert task.last_heartbeat_at == task.claimed_at
     assert task.status == ("running" if start else "claimed")
     assert task.started_at == (task.claimed_at if start else None)
-    assert queue.get(task_id) == task
+    # The row as stored is the claim's, but for the lease token (kept only as its hash).
+    assert task.lease_token is not None
+    assert queue.get(task_id) == dataclasses.replace(task, lease_token=None)
 
 
 @pytest.mark.parametrize(
@@ -102,18 +105,20 @@ def test_074_defect_4_reclaimed_task_gets_a_fresh_lease(conn: psycopg.Connection
     """A recovered task claimed again is not taken from its new owner by the next recovery."""
     (store,) = add_stores(conn, 1)
     task_id = queue.enqueue(ROLE, store)
-    assert queue.claim(ROLE, "first").id == task_id
+    first = queue.claim(ROLE, "first")
+    assert first.id == task_id
     age_lease(conn, task_id, 30)
     assert queue.recover_stale(10).recovered == 1
     second = queue.claim(ROLE, "second")
     assert second.id == task_id
+    assert second.lease_token != first.lease_token
     assert second.last_heartbeat_at == second.claimed_at
     assert second.last_heartbeat_at > db_now(conn) - timedelta(minutes=1)
     for threshold in (10, 1):
         assert queue.recover_stale(threshold).recovered == 0
     t = queue.get(task_id)
     assert (t.status, t.worker_id) == ("claimed", "second")
-    assert queue.complete(task_id, "second", {"ok": 1})
+    assert queue.complete(second, {"ok": 1})
 
 
 @pytest.mark.parametrize("max_retries", [0, 1, 3])
@@ -150,24 +155,26 @@ def test_old_owner_is_fenced_out_after_recovery(conn: psycopg.Connection, queue:
     untouched (result NULL, pending); once re-claimed, only the new owner can finish it."""
     (store,) = add_stores(conn, 1)
     task_id = queue.enqueue(ROLE, store)
-    assert queue.claim_many(ROLE, "old", 1, start=True)[0].id == task_id
+    (old,) = queue.claim_many(ROLE, "old", 1, start=True)
+    assert old.id == task_id
     age_lease(conn, task_id, 15)
     assert queue.recover_stale(10).recovered == 1
     recovered = conn.execute("SELECT to_jsonb(t) FROM worker_tasks t WHERE id = %s", (task_id,)).fetchone()
-    assert queue.complete(task_id, "old", {"stale": True}) is False
-    assert queue.complete_many("old", {task_id: {"stale": True}}) == set()
-    assert queue.fail(task_id, "old", "gave up") is None
-    assert queue.start(task_id, "old") is False
-    assert queue.heartbeat("old", [task_id]) == set()
+    assert queue.complete(old, {"stale": True}) is False
+    assert queue.complete_many({old.lease: {"stale": True}}) == set()
+    assert queue.fail(old, "gave up") is None
+    assert queue.start(old) is False
+    assert queue.heartbeat("old", [old]) == set()
     assert (
         conn.execute("SELECT to_jsonb(t) FROM worker_tasks t WHERE id = %s", (task_id,)).fetchone()
         == recovered
     )
     t = queue.get(task_id)
     assert (t.status, t.result) == ("pending", None)
-    assert queue.claim(ROLE, "new").id == task_id
-    assert queue.complete(task_id, "old", {"stale": True}) is False
-    assert queue.complete(task_id, "new", {"fresh": True}) is True
+    new = queue.claim(ROLE, "new")
+    assert new.id == task_id
+    assert queue.complete(old, {"stale": True}) is False
+    assert queue.complete(new, {"fresh": True}) is True
     assert queue.get(task_id).result == {"fresh": True}
 
 
@@ -175,14 +182,15 @@ def test_heartbeat_keeps_a_long_task_alive(conn: psycopg.Connection, queue: Task
     """A task whose worker heartbeats is not recovered, however long ago it was claimed."""
     (store,) = add_stores(conn, 1)
     task_id = queue.enqueue(ROLE, store)
-    assert queue.claim(ROLE, "w").id == task_id
+    task = queue.claim(ROLE, "w")
+    assert task.id == task_id
     age_lease(conn, task_id, 60)
-    assert queue.heartbeat("w", [task_id]) == {task_id}
+    assert queue.heartbeat("w", [task]) == {task_id}
     assert queue.recover_stale(10).recovered == 0
     assert queue.get(task_id).status == "claimed"
-    assert queue.start(task_id, "w")
+    assert queue.start(task)
     age_lease(conn, task_id, 60)
-    assert queue.start(task_id, "w")  # a start is a sign of life too
+    assert queue.start(task)  # a start is a sign of life too
     assert queue.recover_stale(10).recovered == 0
     assert queue.get(task_id).status == "running"
 

@@ -86,7 +86,7 @@ def finish(queue: TaskQueue, count: int, worker: str = "w-test") -> list[int]:
     """Claim ``count`` product_resync tasks as the queue orders them, and complete them."""
     tasks = queue.claim_many(ROLE, worker, count, start=True)
     assert len(tasks) == count
-    assert queue.complete_many(worker, {t.id: {"ok": True} for t in tasks}) == {t.id for t in tasks}
+    assert queue.complete_many({t.lease: {"ok": True} for t in tasks}) == {t.id for t in tasks}
     return [t.id for t in tasks]
 
 

@@ -586,7 +586,7 @@ def test_pruning_while_workers_claim_loses_no_active_task(
         try:
             with TaskQueue.connect(db_url, max_size=1) as q:
                 while tasks := q.claim_many(ROLE, f"w{n}", 5, start=True):
-                    completed.extend(q.complete_many(f"w{n}", {t.id: {"n": n} for t in tasks}))
+                    completed.extend(q.complete_many({t.lease: {"n": n} for t in tasks}))
         except BaseException as exc:  # reported below
             errors.append(exc)
 

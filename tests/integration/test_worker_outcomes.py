@@ -71,6 +71,15 @@ def test_handler_inputs_that_cannot_be_stored_cost_only_their_own_task(
 def test_a_platform_error_text_with_nul_is_stored(conn: psycopg.Connection, queue: TaskQueue):
     """The breaker's last error is stored the same way (a 5xx body can hold anything)."""
     queue.sync_platform_limits([PlatformLimits("p", 2, 10.0)])
-    assert queue.platform_error("p", None, "HTTP 500: \x00" + MEGABYTE) is None
-    [(error,)] = conn.execute("SELECT last_error FROM tq_platforms WHERE platform = 'p'").fetchall()
+    [store] = add_stores(conn, 1, platform="p")
+    queue.enqueue(ROLE, store)
+    [task] = queue.claim_many(ROLE, "w", 1, start=True)
+    assert task.platform == "p"
+    assert queue.platform_error(task, "HTTP 500: \x00" + MEGABYTE) is None
+    [(error, errors)] = conn.execute(
+        "SELECT last_error, errors_total FROM tq_platforms WHERE platform = 'p'"
+    ).fetchall()
+    assert errors == 1, "the error was not counted"
     assert "\x00" not in error and len(error) <= 1000
+    assert error.startswith("HTTP 500: xxx")
+    assert queue.complete(task)

@@ -16,10 +16,28 @@ from tq_pipelines.queue.worker import LeaseLostError, TaskContext, Worker
 ROLE = "product_resync"
 
 
-def _stop_after(worker: Worker, seconds: float) -> threading.Timer:
-    timer = threading.Timer(seconds, worker.stop)
-    timer.start()
-    return timer
+class _StopWhenStarted:
+    """Calls ``worker.stop()`` from another thread as soon as ``count`` handlers have begun: the
+    stop lands while they run, however long the claim before them took (a loaded server)."""
+
+    def __init__(self, worker: Worker, count: int) -> None:
+        self.count = count
+        self.started = 0
+        self._lock = threading.Lock()
+        self._reached = threading.Event()
+        self._thread = threading.Thread(target=self._stop, args=(worker,), daemon=True)
+        self._thread.start()
+
+    def began(self) -> None:
+        """Called by each handler as it begins."""
+        with self._lock:
+            self.started += 1
+            if self.started == self.count:
+                self._reached.set()
+
+    def _stop(self, worker: Worker) -> None:
+        if self._reached.wait(60):
+            worker.stop()
 
 
 def test_stop_lets_running_handlers_finish_with_their_leases_alive(
@@ -35,16 +53,21 @@ def test_stop_lets_running_handlers_finish_with_their_leases_alive(
 
     sweeper = threading.Thread(target=sweep)
     sweeper.start()
+
+    def handler(task: Task, ctx: TaskContext) -> None:
+        stopper.began()
+        time.sleep(3)
+
     worker = Worker(
         queue,
         ROLE,
-        lambda task, ctx: time.sleep(3),
+        handler,
         worker_id="w",
         concurrency=2,
         batch_size=2,
         heartbeat_seconds=0.4,
     )
-    _stop_after(worker, 0.5)
+    stopper = _StopWhenStarted(worker, 2)
     try:
         stats = worker.run()
     finally:
@@ -65,6 +88,7 @@ def test_handlers_past_the_grace_period_are_given_back_and_their_writes_refused(
     finished = threading.Event()
 
     def handler(task: Task, ctx: TaskContext) -> None:
+        stopper.began()
         time.sleep(2)
         try:
             with ctx.transaction() as cur:
@@ -77,7 +101,7 @@ def test_handlers_past_the_grace_period_are_given_back_and_their_writes_refused(
                 finished.set()
 
     worker = Worker(queue, ROLE, handler, worker_id="w", concurrency=2, stop_grace_seconds=0.3)
-    _stop_after(worker, 0.3)
+    stopper = _StopWhenStarted(worker, 2)
     stats = worker.run()
     assert stats.deferred == 2
     rows = conn.execute("SELECT status, retry_count, worker_id FROM worker_tasks").fetchall()
@@ -88,8 +112,13 @@ def test_handlers_past_the_grace_period_are_given_back_and_their_writes_refused(
 
 def test_inline_stop_gives_back_the_rest_of_the_batch_untried(conn: psycopg.Connection, queue: TaskQueue):
     add_tasks(conn, ROLE, add_stores(conn, 5), 1)
-    worker = Worker(queue, ROLE, lambda task, ctx: time.sleep(0.3), worker_id="w", batch_size=5)
-    _stop_after(worker, 0.4)
+
+    def handler(task: Task, ctx: TaskContext) -> None:
+        stopper.began()
+        time.sleep(0.3)
+
+    worker = Worker(queue, ROLE, handler, worker_id="w", batch_size=5)
+    stopper = _StopWhenStarted(worker, 2)  # stopped during the batch's second task
     stats = worker.run()
     assert (stats.claimed, stats.completed, stats.deferred) == (5, 2, 3)
     assert status_counts(conn) == {"completed": 2, "pending": 3}

@@ -347,7 +347,9 @@ def _counts(conn: psycopg.Connection) -> dict[str, int]:
 def _claim(conn: psycopg.Connection, role: str, worker: str) -> dict[int, int | None]:
     """claim_tasks(role, worker, 100): claimed task id -> its store."""
     return dict(
-        conn.execute("SELECT id, dispensary_id FROM claim_tasks(%s, %s, 100)", (role, worker)).fetchall()
+        conn.execute(
+            "SELECT (c.task).id, (c.task).dispensary_id FROM claim_tasks(%s, %s, 100) c", (role, worker)
+        ).fetchall()
     )
 
 

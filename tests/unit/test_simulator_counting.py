@@ -296,3 +296,43 @@ def test_a_periodic_outage_uses_the_profiles_retry_after(platform: SimulatedPlat
     while not platform.request_log() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert platform.request_log()[0][2] == 503
+
+
+# Hops and menu URLs that name a host (the crawl's allow-list of hosts is tested against them).
+PATHS = PlatformProfile("paths", stores=1, latency_ms=0, jitter=0.0)
+HOSTS = PlatformProfile(
+    "hosts",
+    stores=1,
+    latency_ms=0,
+    jitter=0.0,
+    redirect_base="http://localhost:1/",
+    menu_url_base="https://menus.example.com",
+)
+
+
+@pytest.mark.parametrize(
+    ("platform", "hop_prefix", "menu_prefix"),
+    [(PATHS, "", ""), (HOSTS, "http://localhost:1", "https://menus.example.com")],
+    indirect=["platform"],
+    ids=["paths", "hosts"],
+)
+def test_hops_and_menu_urls_are_paths_unless_a_base_is_set(
+    platform: SimulatedPlatform, hop_prefix: str, menu_prefix: str
+) -> None:
+    store = next(iter(platform.stores.values()))
+    with httpx.Client(base_url=platform.base_url, timeout=10) as client:
+        hop = client.get(f"/go/menus/{store.platform_id}", params={"a": "1"})
+        entry = client.get(f"/stores/{store.directory_id}")
+    assert hop.status_code == 302
+    assert hop.headers["Location"] == f"{hop_prefix}/menus/{store.platform_id}?a=1"
+    assert entry.status_code == 200
+    assert entry.json() == {
+        "platform_id": store.platform_id,
+        "menu_url": f"{menu_prefix}/menus/{store.platform_id}",
+    }
+    # Both requests reached this server, and only these: counted as any other.
+    deadline = time.monotonic() + 5
+    while len(platform.request_log()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert platform.stats.requests == 2
+    assert dict(platform.stats.answers) == {302: 1, 200: 1}

@@ -9,6 +9,7 @@ never done twice because its completion was lost. Every write is idempotent besi
 
 from typing import Any
 
+import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
@@ -49,7 +50,7 @@ def _store(ctx: TaskContext, task: Task) -> dict[str, Any]:
 def _gone(ctx: TaskContext, store: dict[str, Any], exc: GoneError) -> PermanentTaskError:
     """Record that the platform no longer has the store; the error to fail the task with."""
     with ctx.transaction() as cur:
-        cur.execute(query("mark_store_gone"), {"dispensary_id": store["id"], "platform": store["menu_type"]})
+        cur.execute(query("mark_store_gone"), ctx.lease_params())
     return PermanentTaskError(
         f"store gone: {store['menu_type']} answered HTTP {exc.status} for {exc.url}; "
         "crawling is off until store_discovery lists the store again"
@@ -72,7 +73,7 @@ def store_discovery(task: Task, ctx: TaskContext) -> JSON:
     stores = [{"id": s.directory_id, "name": s.name, "region": s.region} for s in listings]
     with ctx.transaction() as cur:
         rows = cur.execute(
-            query("upsert_listed_stores"), {"platform": platform, "stores": Jsonb(stores)}
+            query("upsert_listed_stores"), {**ctx.lease_params(), "stores": Jsonb(stores)}
         ).fetchall()
         result = {
             "platform": platform,
@@ -100,15 +101,18 @@ def entry_point_discovery(task: Task, ctx: TaskContext) -> JSON:
     ctx.release_platform()
     ctx.check_lease()
     with ctx.transaction() as cur:
-        cur.execute(
-            query("save_entry_point"),
-            {
-                "dispensary_id": store["id"],
-                "platform": store["menu_type"],
-                "platform_id": entry.platform_id,
-                "menu_url": entry.menu_url,
-            },
-        )
+        try:
+            cur.execute(
+                query("save_entry_point"),
+                {
+                    **ctx.lease_params(),
+                    "platform_id": entry.platform_id,
+                    "menu_url": entry.menu_url,
+                },
+            )
+        except psycopg.errors.InvalidParameterValue as exc:
+            # A menu URL off the platform's hosts (shown redacted): asking again gives the same.
+            raise PermanentTaskError(exc.diag.message_primary or str(exc)) from None
         row = cur.execute(
             query("enqueue_task_once"),
             {
@@ -152,7 +156,7 @@ def crawl_menu(task: Task, ctx: TaskContext) -> JSON:
     with ctx.transaction() as cur:
         row = cur.execute(
             query("store_menu"),
-            {"dispensary_id": store["id"], "menu_hash": digest, "products": Jsonb(products)},
+            {**ctx.lease_params(), "menu_hash": digest, "products": Jsonb(products)},
         ).fetchone()
         assert row is not None
         result = {

@@ -17,6 +17,7 @@ holding a worker thread. A 429 with Retry-After pauses the host for that long.
 import email.utils
 import threading
 import time
+from collections.abc import Collection
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -25,7 +26,7 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from tq_pipelines.queue.api import MAX_DELAY_SECONDS
-from tq_pipelines.queue.redact import redact_text
+from tq_pipelines.queue.redact import redact_text, redact_url
 from tq_pipelines.queue.worker import (
     DeferTask,
     PermanentTaskError,
@@ -158,14 +159,22 @@ class PoliteClient:
             return host
 
     def get_json(
-        self, url: str, params: dict[str, Any] | None = None, *, timeout: float | None = None
+        self,
+        url: str,
+        params: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        allowed_hosts: Collection[str] | None = None,
     ) -> Any:
         """The JSON body of a GET, redirects followed. Timeouts, connection errors, 429 and 5xx
         raise :class:`TransientTaskError` (or :class:`DeferTask` when they paused the platform);
         410 :class:`GoneError`; other 4xx and a body that is not JSON :class:`PermanentTaskError`;
-        a paused platform or a saturated host :class:`DeferTask`."""
+        a paused platform or a saturated host :class:`DeferTask`. With ``allowed_hosts``, a URL
+        (the first or a redirect's) on any other host is refused before it is requested."""
         permit = current_permit.get()
         for _ in range(MAX_REDIRECTS + 1):
+            if allowed_hosts is not None:
+                _check_host(url, allowed_hosts)
             response, host = self._send(url, params, timeout, permit)
             if not response.is_redirect:
                 return self._body(response, host, permit)
@@ -227,6 +236,23 @@ class PoliteClient:
             return response.json()
         except ValueError as exc:
             raise PermanentTaskError(redact_text(f"{url} did not answer JSON: {exc}")) from exc
+
+
+def _check_host(url: str, allowed_hosts: Collection[str]) -> None:
+    """Refuse a URL that is not http(s), carries user info, or names a host not in the list; the
+    error shows its scheme and host only (a path or a query may carry a secret)."""
+    try:
+        parts = urlsplit(url)
+        host = (parts.hostname or "").lower()
+        ok = parts.scheme in ("http", "https") and host in allowed_hosts and "@" not in parts.netloc
+        parts.port  # noqa: B018 (a bad port raises)
+    except ValueError:
+        ok = False
+    if not ok:
+        hosts = ", ".join(sorted(allowed_hosts))
+        raise PermanentTaskError(
+            f"refused to request {redact_url(url)}: not on the platform's hosts ({hosts})"
+        )
 
 
 def _platform_trouble(

@@ -7,6 +7,7 @@ The file (``TQ_PLATFORMS_FILE``) has one table per platform, named as the stores
     regions = ["north", "south"]     # what store_discovery lists
     max_in_flight = 4                 # politeness: for the whole fleet, in PostgreSQL
     requests_per_second = 10
+    hosts = ["menus.example.com"]     # the hosts its URLs may name (default: base_url's)
 
 Every key is documented on :class:`PlatformSettings`; docs/PLATFORMS.md has the protocol of the
 generic adapter and how to write another.
@@ -17,8 +18,8 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-from urllib.parse import quote, urljoin
+from typing import Annotated, Any, Protocol
+from urllib.parse import quote, urljoin, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -29,6 +30,10 @@ from tq_pipelines.queue.worker import PermanentTaskError
 
 class PlatformSettingsError(ValueError):
     """The platforms file is missing, unreadable or wrong; the message says where."""
+
+
+# A host name as the queue keeps it (tq_platforms.hosts): lower case, no scheme, port or path.
+_HOST = r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$"
 
 
 class PlatformSettings(BaseModel):
@@ -59,6 +64,11 @@ class PlatformSettings(BaseModel):
     slot_wait_seconds: float = Field(default=5.0, ge=0, le=60)
     timeout_seconds: float = Field(default=10.0, ge=0.1, le=300)
     max_pages: int = Field(default=100, ge=1, le=10_000, description="Store directory pages followed at most")
+    # Every URL the crawl follows (pages, menu URLs, redirect hops) and every menu URL the queue
+    # stores must name one of these hosts: a platform cannot send the crawler elsewhere.
+    hosts: list[Annotated[str, Field(pattern=_HOST)]] | None = Field(
+        default=None, min_length=1, max_length=20, description="Hosts its URLs may name (default: base_url's)"
+    )
 
     @model_validator(mode="after")
     def _pauses_in_order(self) -> "PlatformSettings":
@@ -67,6 +77,12 @@ class PlatformSettings(BaseModel):
                 f"max_pause_seconds ({self.max_pause_seconds}) is below pause_seconds ({self.pause_seconds})"
             )
         return self
+
+    def allowed_hosts(self) -> tuple[str, ...]:
+        """The hosts the platform's URLs may name: ``hosts``, else the base URL's host."""
+        if self.hosts:
+            return tuple(sorted(set(self.hosts)))
+        return ((urlsplit(self.base_url).hostname or "").lower(),)
 
     def limits(self) -> HostLimits:
         return HostLimits(self.max_in_flight, self.requests_per_second, self.slot_wait_seconds)
@@ -81,6 +97,7 @@ class PlatformSettings(BaseModel):
             self.pause_after_errors,
             self.pause_seconds,
             self.max_pause_seconds,
+            self.allowed_hosts(),
         )
 
     def url(self, path: str) -> str:
@@ -166,6 +183,12 @@ class GenericJsonAdapter:
     def __init__(self, settings: PlatformSettings, http: PoliteClient) -> None:
         self.settings = settings
         self.http = http
+        self.hosts = settings.allowed_hosts()
+
+    def _get(self, url: str, params: dict[str, Any] | None = None) -> Any:
+        return self.http.get_json(
+            url, params, timeout=self.settings.timeout_seconds, allowed_hosts=self.hosts
+        )
 
     def list_stores(self, region: str | None) -> list[StoreListing]:
         url: str | None = self.settings.url(self.settings.stores_path)
@@ -174,7 +197,7 @@ class GenericJsonAdapter:
         for _ in range(self.settings.max_pages):
             if url is None:
                 break
-            page = self.http.get_json(url, params=params, timeout=self.settings.timeout_seconds)
+            page = self._get(url, params)
             for item in _field(page, "stores", url):
                 ident = _field(item, "id", url)
                 if isinstance(ident, bool) or not isinstance(ident, str | int) or str(ident).strip() == "":
@@ -199,7 +222,7 @@ class GenericJsonAdapter:
 
     def resolve_entry_point(self, directory_id: str) -> EntryPoint:
         url = self.settings.url(self.settings.store_path.format(directory_id=quote(directory_id, safe="")))
-        body = self.http.get_json(url, timeout=self.settings.timeout_seconds)
+        body = self._get(url)
         platform_id = _field(body, "platform_id", url)
         if not isinstance(platform_id, str | int) or str(platform_id) == "":
             raise PermanentTaskError(f"{url}: platform_id must be a non-empty string, got {platform_id!r}")
@@ -210,7 +233,7 @@ class GenericJsonAdapter:
     def fetch_menu(self, entry: EntryPoint) -> Any:
         path = entry.menu_url or self.settings.menu_path.format(platform_id=quote(entry.platform_id, safe=""))
         url = self.settings.url(path)
-        return _field(self.http.get_json(url, timeout=self.settings.timeout_seconds), "products", url)
+        return _field(self._get(url), "products", url)
 
 
 def adapter_factory(spec: str) -> AdapterFactory:

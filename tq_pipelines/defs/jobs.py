@@ -8,7 +8,6 @@ import dagster as dg
 from pydantic import Field, ValidationError
 
 from tq_pipelines.crawl.handlers import HTTP_ROLES, enqueue_store_discovery
-from tq_pipelines.crawl.platforms import sync_limits
 from tq_pipelines.defs.resources import CrawlResource, QueueResource
 from tq_pipelines.defs.resync import generate_resync_tasks_job  # noqa: F401 (importable from here too)
 from tq_pipelines.handlers import BUILTIN, HOW_TO_PLUG_IN, load_handlers
@@ -184,7 +183,7 @@ def drain_role_tasks(
         if services is not None:
             stack.callback(services.close)
             # The file's limits become every claimer's before this run claims anything.
-            sync_limits(tq.queue, services.settings)
+            tq.load_platform_limits(services.settings, context.log)
         elif config.role in HTTP_ROLES and handler is BUILTIN.get(config.role):
             # Every task would fail for want of settings; fail the run instead, touching none.
             raise dg.Failure(

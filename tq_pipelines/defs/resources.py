@@ -1,11 +1,13 @@
 """Dagster resources: the queue (a psycopg pool per run or sensor tick) and the crawl settings."""
 
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import psycopg
 from pydantic import (
     Field,
     PrivateAttr,
@@ -21,6 +23,7 @@ from tq_pipelines.crawl.platforms import (
     PlatformSettings,
     PlatformSettingsError,
     load_platform_settings,
+    sync_limits,
 )
 from tq_pipelines.db import check_connection
 from tq_pipelines.queue.api import TaskQueue
@@ -120,6 +123,9 @@ class QueueResource(dg.ConfigurableResource):
     drain_time_budget_seconds: float = Field(default=14_400, gt=0, le=86_400)
     drain_idle_poll_seconds: float = Field(default=0.5, ge=0.05, le=60)
     drain_idle_exit_seconds: float = Field(default=1800, ge=0, le=86_400)
+    # The admin's database URL, for the admin's acts (loading the platforms' limits); empty falls
+    # back to TQ_ADMIN_DATABASE_URL, then to database_url. A worker role may not load limits.
+    admin_database_url: str = ""
 
     _queue: TaskQueue | None = PrivateAttr(default=None)
     _caps: dict[str, int] = PrivateAttr(default_factory=dict)
@@ -173,6 +179,31 @@ class QueueResource(dg.ConfigurableResource):
         if self._queue is None:
             raise RuntimeError("QueueResource used outside of a run or tick")
         return self._caps
+
+    def load_platform_limits(
+        self, settings: Mapping[str, PlatformSettings], log: logging.Logger
+    ) -> int | None:
+        """Load the platforms file's limits as the admin; returns how many changed. When the
+        admin URL's role may not (a worker's), the limits loaded stay: returns None, and raises
+        if one of ``settings``' platforms has none loaded (its requests would go unlimited)."""
+        admin_url = self.admin_database_url or os.environ.get("TQ_ADMIN_DATABASE_URL", "")
+        try:
+            if not admin_url or admin_url == self.database_url:
+                return sync_limits(self.queue, settings)
+            with TaskQueue.connect(admin_url, min_size=1, max_size=1) as admin:
+                return sync_limits(admin, settings)
+        except psycopg.errors.InsufficientPrivilege:
+            pass
+        loaded = {r["platform"] for r in self.queue.platform_status()}
+        missing = sorted(set(settings) - loaded)
+        if missing:
+            raise QueueSettingsError(
+                f"platform(s) {', '.join(missing)} have no limits loaded, and this role may not load them: "
+                "load them as the admin (tq platforms --sync, or set TQ_ADMIN_DATABASE_URL for "
+                "platform_status_sensor)"
+            )
+        log.debug("platform limits left as loaded (this database role is not the admin's)")
+        return None
 
     def _caps_spec(self) -> str:
         return self.role_caps or os.environ.get("TQ_ROLE_CAPS", "")

@@ -21,7 +21,6 @@ import dagster as dg
 from psycopg.rows import dict_row
 from pydantic import Field
 
-from tq_pipelines.crawl.platforms import sync_limits
 from tq_pipelines.db.queries import query
 from tq_pipelines.defs.bindings import crawl_resource, queue_resource
 from tq_pipelines.defs.lineage import DISPENSARIES, POSTGRES, PRODUCT_RESYNC, QUEUE, QUEUE_OWNERS
@@ -201,7 +200,7 @@ def generate_resync_tasks(
     settings = crawl.settings()
     if settings:
         # The file's platforms are known to the queue (and limited) before any store is listed.
-        sync_limits(tq.queue, settings)
+        tq.load_platform_limits(settings, context.log)
     platforms = config.platforms or sorted(settings) or ["dutchie"]
     waiting = unfinished(tq.queue)
     if day < waiting.today and waiting.current:

@@ -3,9 +3,10 @@
 import dataclasses
 import json
 import math
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 from decimal import Decimal
 from typing import Any, Literal, Self
@@ -121,6 +122,43 @@ class Task:
     payload: dict[str, Any]
     # When the claim let the task's first request start (its platform's rate); None: no limit.
     send_at: datetime | None = None
+    # The claim's lease token (a claimed task only): the proof every call on the task presents.
+    lease_token: uuid.UUID | None = field(default=None, repr=False)
+
+    @property
+    def lease(self) -> "Lease":
+        """The task's lease, as its claim handed it out."""
+        if self.lease_token is None:
+            raise ValueError(f"task {self.id} carries no lease token: only a claim's tasks do")
+        return Lease(self.id, self.lease_token)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A claimed task's id and its lease token: what every call that acts on the task presents.
+    The token is the claim's secret (the database keeps only its hash): never logged or shown."""
+
+    task_id: int
+    token: uuid.UUID = field(repr=False)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The parameters of the queue's lease-fenced queries: ``task_id`` and ``lease``."""
+        return {"task_id": self.task_id, "lease": self.token}
+
+
+# A call on a held task takes the task as its claim returned it, or its lease.
+Held = Task | Lease
+
+
+def _lease(held: Held) -> Lease:
+    return held.lease if isinstance(held, Task) else held
+
+
+def _leases(held: Sequence[Held]) -> tuple[list[int], list[uuid.UUID]]:
+    """Ids and tokens, in id order: the order every multi-row writer locks in."""
+    leases = sorted((_lease(h) for h in held), key=lambda x: x.task_id)
+    return [x.task_id for x in leases], [x.token for x in leases]
 
 
 _TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
@@ -168,6 +206,8 @@ class PlatformLimits:
     pause_after_errors: int = 5
     pause_seconds: float = 5.0
     max_pause_seconds: float = 600.0
+    # The hosts its URLs may name (a store's menu URL, redirects); None: left as loaded.
+    hosts: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,8 +227,9 @@ def _float(value: Decimal | float | None) -> float | None:
 class TaskQueue:
     """The queue over a psycopg connection pool; every call is one short transaction.
 
-    Methods that act on a task take the caller's ``worker_id`` and are fenced: they do nothing
-    (and return False, None or fewer ids) unless that worker still owns the task.
+    Methods that act on a claimed task take it as the claim returned it (a :class:`Task`), or its
+    :class:`Lease`, and are fenced by its lease token: they do nothing (and return False, None or
+    fewer ids) unless the task is still held under that token. Worker ids are labels.
     """
 
     def __init__(self, pool: ConnectionPool, *, owns_pool: bool = False) -> None:
@@ -238,12 +279,14 @@ class TaskQueue:
     # Claiming ---------------------------------------------------------------------------------
 
     def claim(self, role: str, worker_id: str) -> Task | None:
-        """The best due task of ``role``, now claimed by ``worker_id``; None when nothing is due."""
+        """The best due task of ``role``, now claimed under a new lease (``worker_id`` labels
+        it); None when nothing is due."""
         tasks = self.claim_many(role, worker_id, 1)
         return tasks[0] if tasks else None
 
     def claim_many(self, role: str, worker_id: str, max_tasks: int, *, start: bool = False) -> list[Task]:
-        """Up to ``max_tasks`` due tasks of ``role``, at most one per store, best first.
+        """Up to ``max_tasks`` due tasks of ``role``, at most one per store, best first, each with
+        its lease token (``Task.lease``).
 
         With ``start`` they are running at once (one update per task instead of two), for a
         worker that begins every task it claims straight away.
@@ -255,47 +298,51 @@ class TaskQueue:
 
     # A worker's calls on its tasks ------------------------------------------------------------
 
-    def start(self, task_id: int, worker_id: str) -> bool:
-        return bool(self._one("start_task", {"task_id": task_id, "worker_id": worker_id})["ok"])
+    def start(self, held: Held) -> bool:
+        lease = _lease(held)
+        return bool(self._one("start_task", lease.params)["ok"])
 
-    def start_many(self, worker_id: str, task_ids: Sequence[int]) -> set[int]:
-        """Mark tasks running; returns the ids started (the others are no longer owned)."""
-        row = self._one("start_tasks", {"worker_id": worker_id, "task_ids": list(task_ids)})
+    def start_many(self, held: Sequence[Held]) -> set[int]:
+        """Mark tasks running; returns the ids started (the others are no longer held)."""
+        ids, tokens = _leases(held)
+        return set(self._one("start_tasks", {"task_ids": ids, "leases": tokens})["ids"])
+
+    def heartbeat(self, worker_id: str, held: Sequence[Held]) -> set[int]:
+        """Extend the leases; returns the ids still held (the rest were lost). The registry row of
+        ``worker_id`` notes that it is alive."""
+        ids, tokens = _leases(held)
+        row = self._one("heartbeat_tasks", {"worker_id": worker_id, "task_ids": ids, "leases": tokens})
         return set(row["ids"])
 
-    def heartbeat(self, worker_id: str, task_ids: Sequence[int]) -> set[int]:
-        """Extend the leases; returns the ids still owned (the rest were lost)."""
-        row = self._one("heartbeat_tasks", {"worker_id": worker_id, "task_ids": sorted(task_ids)})
-        return set(row["ids"])
-
-    def complete(self, task_id: int, worker_id: str, result: JSON = None) -> bool:
-        params = {"task_id": task_id, "worker_id": worker_id, "result": _jsonb(result, "result")}
+    def complete(self, held: Held, result: JSON = None) -> bool:
+        lease = _lease(held)
+        params = {**lease.params, "result": _jsonb(result, "result")}
         return bool(self._one("complete_task", params)["ok"])
 
-    def complete_many(self, worker_id: str, results: Mapping[int, JSON]) -> set[int]:
+    def complete_many(self, results: Mapping[Lease, JSON]) -> set[int]:
         """Complete several tasks in one transaction; returns the ids completed."""
         return self.complete_many_json(
-            worker_id, {i: _json_text(r, f"result of task {i}") for i, r in results.items()}
+            {x: _json_text(r, f"result of task {x.task_id}") for x, r in results.items()}
         )
 
     def complete_many_json(
         self,
-        worker_id: str,
-        results: Mapping[int, str],
+        results: Mapping[Lease, str],
         times: Mapping[int, tuple[float, float]] | None = None,
     ) -> set[int]:
         """:meth:`complete_many` with results already serialised to JSON text; ``times`` gives,
-        per task, when its handler began and ended in seconds after its claim (the worker's own
-        measure), so that its recorded duration is its handler's."""
+        per task id, when its handler began and ended in seconds after its claim (the worker's
+        own measure), so that its recorded duration is its handler's."""
         if not results:
             return set()
-        # Sent as text[] and cast in SQL: one array parameter, whatever the batch size. In id
+        # Sent as arrays and cast in SQL: one parameter each, whatever the batch size. In id
         # order, the order every multi-row writer locks in, so that two of them cannot deadlock.
-        ids = sorted(results)
+        leases = sorted(results, key=lambda x: x.task_id)
+        ids = [x.task_id for x in leases]
         params: dict[str, Any] = {
-            "worker_id": worker_id,
             "task_ids": ids,
-            "results": [results[i] for i in ids],
+            "leases": [x.token for x in leases],
+            "results": [results[x] for x in leases],
         }
         if times is None:
             return set(self._one("complete_tasks", params)["ids"])
@@ -312,18 +359,18 @@ class TaskQueue:
 
     def fail(
         self,
-        task_id: int,
-        worker_id: str,
+        held: Held,
         error: str,
         *,
         retryable: bool = True,
         retry_after: float | None = None,
     ) -> Status | None:
         """Record a failure: returns 'pending' (retried after a backoff, and no sooner than
-        ``retry_after`` seconds) or 'failed', or None when the worker no longer owns the task."""
+        ``retry_after`` seconds) or 'failed', or None when the task is no longer held."""
+        lease = _lease(held)
         params = {
-            "task_id": task_id,
-            "worker_id": worker_id,
+            "task_id": lease.task_id,
+            "lease": lease.token,
             "error": storable_text(error),
             "retryable": retryable,
             "retry_after": None if retry_after is None else _interval(retry_after, "retry_after"),
@@ -331,17 +378,15 @@ class TaskQueue:
         status: Status | None = self._one("fail_task", params)["status"]
         return status
 
-    def defer(self, task_id: int, worker_id: str, delay_seconds: float) -> bool:
+    def defer(self, held: Held, delay_seconds: float) -> bool:
         """Give a task back untried, due again in ``delay_seconds``, without spending a retry."""
-        params = {
-            "task_id": task_id,
-            "worker_id": worker_id,
-            "delay": _interval(delay_seconds, "delay_seconds"),
-        }
+        lease = _lease(held)
+        params = {**lease.params, "delay": _interval(delay_seconds, "delay_seconds")}
         return bool(self._one("defer_task", params)["ok"])
 
     def cancel(self, task_id: int) -> bool:
-        """Cancel a task that has not finished; False when it had."""
+        """Cancel a task that has not finished; False when it had. The admin's (tq grant gives
+        the worker role no EXECUTE on it)."""
         return bool(self._one("cancel_task", {"task_id": task_id})["ok"])
 
     # Workers and maintenance ------------------------------------------------------------------
@@ -547,38 +592,52 @@ class TaskQueue:
     # Platforms -----------------------------------------------------------------------------------
 
     def sync_platform_limits(self, limits: Sequence[PlatformLimits]) -> int:
-        """Load platforms' limits (keeping their live state); returns how many changed."""
+        """Load platforms' limits and hosts (keeping their live state); returns how many changed.
+        The admin's (tq grant gives the worker role no EXECUTE on it)."""
         rows = [dataclasses.asdict(x) for x in limits]
         return int(self._one("sync_platform_limits", {"limits": _jsonb(rows, "limits")})["changed"])
 
-    def platform_request(self, task_id: int, worker_id: str, *, first: bool) -> RequestDecision:
+    def platform_pause(self, platform: str, seconds: float, reason: str = "") -> datetime:
+        """Pause a platform by hand (1 s to a day); returns when the pause ends. The admin's."""
+        params = {"platform": platform, "seconds": float(seconds), "reason": storable_text(reason, 1000)}
+        until: datetime = self._one("platform_pause", params)["until"]
+        return until
+
+    def platform_resume(self, platform: str) -> None:
+        """End a platform's pause at once, with no probe. The admin's."""
+        self._one("platform_resume", {"platform": platform})
+
+    def platform_request(self, held: Held, *, first: bool) -> RequestDecision:
         """May this request of the task start, and when (see ``platform_request`` in SQL)."""
-        row = self._one("platform_request", {"task_id": task_id, "worker_id": worker_id, "first": first})
+        lease = _lease(held)
+        row = self._one("platform_request", {**lease.params, "first": first})
         return RequestDecision(row["decision"], float(row["wait_seconds"]))
 
-    def platform_error(
-        self, platform: str, task_id: int | None, error: str, *, retry_after: float | None = None
-    ) -> float | None:
-        """Report an error that speaks of the platform (5xx, timeout, 429) to its breaker; returns
-        the seconds its pause has left when the platform is now paused, else None."""
+    def platform_error(self, held: Held, error: str, *, retry_after: float | None = None) -> float | None:
+        """Report an error that speaks of the task's platform (5xx, timeout, 429) to its breaker;
+        returns the seconds its pause has left when the platform is now paused, else None (also
+        when the task is no longer held: nothing is counted)."""
+        lease = _lease(held)
         params = {
-            "platform": platform,
-            "task_id": task_id,
+            "task_id": lease.task_id,
+            "lease": lease.token,
             "error": storable_text(error),
             "retry_after": None if retry_after is None else _interval(retry_after, "retry_after"),
         }
         row = self._one("platform_error", params)
         return float(row["wait_seconds"]) if row["paused"] else None
 
-    def platform_release(self, task_id: int, worker_id: str) -> bool:
+    def platform_release(self, held: Held) -> bool:
         """The task is done with its platform's requests: its slot goes back now, not at its
         outcome. Returns whether it held one."""
-        return bool(self._one("platform_release", {"task_id": task_id, "worker_id": worker_id})["released"])
+        lease = _lease(held)
+        return bool(self._one("platform_release", lease.params)["released"])
 
-    def platform_answered(self, platform: str, task_id: int) -> bool:
-        """The probe of a half-open platform got an answer (not a 5xx or 429): the platform is
-        back for every worker. Returns whether this closed its breaker."""
-        return bool(self._one("platform_answered", {"platform": platform, "task_id": task_id})["closed"])
+    def platform_answered(self, held: Held) -> bool:
+        """The task is its half-open platform's probe and got an answer (not a 5xx or 429): the
+        platform is back for every worker. Returns whether this closed its breaker."""
+        lease = _lease(held)
+        return bool(self._one("platform_answered", lease.params)["closed"])
 
     def claim_wait(self, role: str) -> float | None:
         """None when ``role`` has no due work; else the seconds until a claim could take some
@@ -714,9 +773,12 @@ class WorkerSession:
         return True
 
     def close(self) -> None:
-        """Deregister (offline) and end the session."""
+        """Deregister (offline) and end the session. On the session's own connection: the
+        database leaves a registration whose session is alive to that session alone."""
         try:
-            self.queue.deregister_worker(self.worker_id)
+            if self.conn is not None and not self.conn.closed:
+                with suppress(psycopg.OperationalError):
+                    self.conn.execute(query("deregister_worker"), {"worker_id": self.worker_id})
         finally:
             self._drop()
 

@@ -73,7 +73,6 @@ class PlatformPermit:
         self,
         queue: TaskQueue,
         task: Task,
-        worker_id: str,
         lease_lost: threading.Event,
         on_release: Callable[[], None] | None = None,
     ) -> None:
@@ -81,7 +80,6 @@ class PlatformPermit:
         self.on_release = on_release
         self.task = task
         self.platform = task.platform or ""
-        self.worker_id = worker_id
         self.lease_lost = lease_lost
         self.requests = 0
         self.released = False
@@ -98,7 +96,7 @@ class PlatformPermit:
                 raise RuntimeError(
                     f"task {self.task.id} gave its {self.platform} slot back and cannot send more requests"
                 )
-            answer = self.queue.platform_request(self.task.id, self.worker_id, first=self.requests == 0)
+            answer = self.queue.platform_request(self.task, first=self.requests == 0)
             if answer.decision == "lost":
                 self.lease_lost.set()
                 raise LeaseLostError(f"lease on task {self.task.id} lost before a request")
@@ -120,7 +118,7 @@ class PlatformPermit:
         with self._one_at_a_time:
             if not self.released:
                 self.released = True
-                self.queue.platform_release(self.task.id, self.worker_id)
+                self.queue.platform_release(self.task)
                 if self.on_release is not None:
                     self.on_release()  # the worker may claim for the free slot now
 
@@ -128,13 +126,13 @@ class PlatformPermit:
         """An answer that is not an error of the platform's (anything but a 5xx, a 429, a
         timeout): if this task is the platform's probe, the platform is back for every worker."""
         if self.probing:
-            self.queue.platform_answered(self.platform, self.task.id)
+            self.queue.platform_answered(self.task)
             self.probing = False
 
     def report_error(self, error: str, *, retry_after: float | None = None) -> float | None:
         """An answer that speaks of the platform (5xx, 429, a timeout): counted by its breaker.
         Returns the pause left when the platform is now paused (give the task back), else None."""
-        return self.queue.platform_error(self.platform, self.task.id, error, retry_after=retry_after)
+        return self.queue.platform_error(self.task, error, retry_after=retry_after)
 
 
 # The permit of the task whose handler runs in this thread; None for tasks without platform limits.
@@ -174,6 +172,11 @@ class TaskContext:
         if self.permit is not None:
             self.permit.release()
 
+    def lease_params(self) -> dict[str, Any]:
+        """``{"task_id", "lease"}``: what the queue's lease-fenced functions (the handlers'
+        writes among them) take to know the task is still this worker's."""
+        return {"task_id": self.task.id, "lease": self.task.lease.token}
+
     def check_lease(self) -> None:
         """Raise :class:`LeaseLostError` if the lease is known to be lost."""
         if self.lost:
@@ -193,8 +196,7 @@ class TaskContext:
             raise RuntimeError("this worker has no database pool for its handlers")
         self._completing = False
         with self.pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
-            params = {"task_id": self.task.id, "worker_id": self.worker_id}
-            if cur.execute(query("task_still_owned"), params).fetchone() is None:
+            if cur.execute(query("task_still_owned"), self.lease_params()).fetchone() is None:
                 self.lease_lost.set()
                 raise LeaseLostError(f"lease on task {self.task.id} lost: nothing written")
             yield cur
@@ -211,7 +213,7 @@ class TaskContext:
             _to_jsonb_text(result)
         except (TypeError, ValueError) as exc:
             raise PermanentTaskError(f"handler result cannot be stored as JSON: {exc}") from exc
-        params = {"task_id": self.task.id, "worker_id": self.worker_id, "result": Jsonb(result)}
+        params = {**self.lease_params(), "result": Jsonb(result)}
         if not cur.execute(query("complete_task_tx"), params).fetchone()["ok"]:  # type: ignore[index]
             self.lease_lost.set()
             raise LeaseLostError(f"lease on task {self.task.id} lost: nothing written")
@@ -457,7 +459,7 @@ class Worker:
                 for future in left:
                     ctx = running[future]
                     ctx.lease_lost.set()  # the handler should stop; its writes would be refused
-                    if self.queue.defer(ctx.task.id, self.worker_id, 0):
+                    if self.queue.defer(ctx.task, 0):
                         self.stats.deferred += 1
                     self.log.warning(
                         "task %s still running %.0f s after stop: given back",
@@ -482,7 +484,7 @@ class Worker:
             if self._stop.is_set():
                 with self._lock:
                     self._in_flight.pop(ctx.task.id, None)
-                if self.queue.defer(ctx.task.id, self.worker_id, 0):
+                if self.queue.defer(ctx.task, 0):
                     self.stats.deferred += 1
                 continue
             outcomes.append(self._run_one(ctx))
@@ -527,7 +529,7 @@ class Worker:
                 claimed_at=self._claim_asked_at,
             )
             if t.send_at is not None:  # the claim reserved its platform's start: a limited platform
-                ctx.permit = PlatformPermit(self.queue, t, self.worker_id, ctx.lease_lost, self._wake.set)
+                ctx.permit = PlatformPermit(self.queue, t, ctx.lease_lost, self._wake.set)
             contexts.append(ctx)
         with self._lock:
             self._in_flight.update((c.task.id, c) for c in contexts)
@@ -589,26 +591,26 @@ class Worker:
             for o in outcomes:
                 self._in_flight.pop(o.ctx.task.id, None)
         successes = {
-            o.ctx.task.id: o.result_json
+            o.ctx.task.lease: o.result_json
             for o in outcomes
             if o.error is None and not o.ctx.completed and not o.ctx.lost
         }
         times = {o.ctx.task.id: (o.began, o.ended) for o in outcomes}
         try:
-            completed = self.queue.complete_many_json(self.worker_id, successes, times)  # type: ignore[arg-type]
+            completed = self.queue.complete_many_json(successes, times)  # type: ignore[arg-type]
         except (psycopg.DataError, QueueInputError):
             # One result the database refuses must not cost the batch: each on its own, and the
             # refused ones fail with the reason.
             completed = set()
             for o in outcomes:
-                if o.ctx.task.id in successes:
+                if o.ctx.task.lease in successes:
                     try:
-                        one = {o.ctx.task.id: o.result_json}
-                        if self.queue.complete_many_json(self.worker_id, one, times):  # type: ignore[arg-type]
+                        one = {o.ctx.task.lease: o.result_json}
+                        if self.queue.complete_many_json(one, times):  # type: ignore[arg-type]
                             completed.add(o.ctx.task.id)
                     except (psycopg.DataError, QueueInputError) as exc:
                         o.error, o.retryable = f"handler result cannot be stored: {_first_line(exc)}", False
-            successes = {i: r for i, r in successes.items() if i in completed}
+            successes = {x: r for x, r in successes.items() if x.task_id in completed}
         self.stats.completed += len(completed)
         self.stats.lost += len(successes) - len(completed)
         in_tx = sum(1 for o in outcomes if o.ctx.completed)
@@ -621,9 +623,7 @@ class Worker:
             elif o.ctx.lost:
                 self.stats.lost += 1
             elif o.defer_seconds is not None:
-                if self._contained(
-                    o, lambda o=o: self.queue.defer(o.ctx.task.id, self.worker_id, o.defer_seconds)
-                ):
+                if self._contained(o, lambda o=o: self.queue.defer(o.ctx.task, o.defer_seconds)):
                     self.stats.deferred += 1
                 else:
                     self.stats.lost += 1
@@ -641,16 +641,12 @@ class Worker:
     def _fail(self, o: _Outcome) -> Any:
         assert o.error is not None
         try:
-            return self.queue.fail(
-                o.ctx.task.id, self.worker_id, o.error, retryable=o.retryable, retry_after=o.retry_after
-            )
+            return self.queue.fail(o.ctx.task, o.error, retryable=o.retryable, retry_after=o.retry_after)
         except (psycopg.DataError, QueueInputError) as exc:
             # The error text itself was refused (the queue already makes it storable): keep the
             # failure, in words the database takes.
             o.error = f"the error could not be stored ({_first_line(exc)}): {type(exc).__name__}"
-            return self.queue.fail(
-                o.ctx.task.id, self.worker_id, o.error, retryable=o.retryable, retry_after=o.retry_after
-            )
+            return self.queue.fail(o.ctx.task, o.error, retryable=o.retryable, retry_after=o.retry_after)
 
     def _contained(self, o: _Outcome, record: Callable[..., Any], *args: Any) -> Any:
         """Record one task's outcome; a refusal of the database for this task's data is logged
@@ -672,7 +668,7 @@ class Worker:
         with self._lock:
             held = dict(self._in_flight)
         try:
-            owned = self.queue.heartbeat(self.worker_id, list(held))
+            owned = self.queue.heartbeat(self.worker_id, [c.task for c in held.values()])
         except Exception:
             # A missed heartbeat is not fatal: the lease outlives several intervals.
             self.log.exception("heartbeat failed")

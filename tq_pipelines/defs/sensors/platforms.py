@@ -8,7 +8,6 @@ from typing import Any
 
 import dagster as dg
 
-from tq_pipelines.crawl.platforms import sync_limits
 from tq_pipelines.defs.lineage import CRAWL_OWNERS, FLEET, PLATFORM_LIMITS, POSTGRES, table_reference
 from tq_pipelines.defs.resources import CrawlResource, QueueResource
 
@@ -76,7 +75,7 @@ def platform_status_sensor(
     """Loads the platforms file's limits into the queue (so that an edit reaches every claimer
     within a tick, drain runs or not), then reports each platform's state."""
     settings = crawl.settings()
-    changed = sync_limits(tq.queue, settings) if settings else 0
+    changed = tq.load_platform_limits(settings, context.log) if settings else 0
     if changed:
         context.log.info("limits of %s platform(s) loaded from the platforms file", changed)
     rows = tq.queue.platform_status()
