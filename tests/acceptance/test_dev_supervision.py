@@ -231,7 +231,10 @@ def test_a_killed_daemon_comes_back_and_sigterm_stops_everything(
         watcher.join()
         assert set(beats) == set(first)
         assert failures == [], failures
-        assert running(webserver) and children_named(tq_dev.pid, "dagster-webserver") == [webserver]
+        # The same process (pid and start time; its run state comes and goes).
+        assert running(webserver) and [
+            (p.pid, p.started) for p in children_named(tq_dev.pid, "dagster-webserver")
+        ] == [(webserver.pid, webserver.started)]
         output = log.read_text()
         assert f"dagster-daemon (pid {daemon.pid}) died after" in output, output[-4000:]
         assert "killed by SIGKILL; restarting it" in output
