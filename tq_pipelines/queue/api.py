@@ -369,8 +369,7 @@ class TaskQueue:
         ``retry_after`` seconds) or 'failed', or None when the task is no longer held."""
         lease = _lease(held)
         params = {
-            "task_id": lease.task_id,
-            "lease": lease.token,
+            **lease.params,
             "error": storable_text(error),
             "retryable": retryable,
             "retry_after": None if retry_after is None else _interval(retry_after, "retry_after"),
@@ -619,8 +618,7 @@ class TaskQueue:
         when the task is no longer held: nothing is counted)."""
         lease = _lease(held)
         params = {
-            "task_id": lease.task_id,
-            "lease": lease.token,
+            **lease.params,
             "error": storable_text(error),
             "retry_after": None if retry_after is None else _interval(retry_after, "retry_after"),
         }

@@ -175,7 +175,7 @@ class TaskContext:
     def lease_params(self) -> dict[str, Any]:
         """``{"task_id", "lease"}``: what the queue's lease-fenced functions (the handlers'
         writes among them) take to know the task is still this worker's."""
-        return {"task_id": self.task.id, "lease": self.task.lease.token}
+        return self.task.lease.params
 
     def check_lease(self) -> None:
         """Raise :class:`LeaseLostError` if the lease is known to be lost."""
