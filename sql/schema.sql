@@ -58,7 +58,8 @@ CREATE TABLE public.worker_tasks (
     CONSTRAINT payload_is_object CHECK ((jsonb_typeof(payload) = 'object'::text)),
     CONSTRAINT valid_retries CHECK (((retry_count >= 0) AND (max_retries >= 0))),
     CONSTRAINT valid_status CHECK (((status)::text = ANY ((ARRAY['pending'::character varying, 'claimed'::character varying, 'running'::character varying, 'completed'::character varying, 'failed'::character varying, 'cancelled'::character varying])::text[])))
-);
+)
+WITH (autovacuum_vacuum_scale_factor='0.01', autovacuum_vacuum_threshold='5000', autovacuum_vacuum_insert_scale_factor='0.02', autovacuum_analyze_scale_factor='0.01');
 
 
 --
@@ -94,6 +95,7 @@ DECLARE
   v_loose INTEGER[];
   v_skip INTEGER[] := '{}';
   v_claimed INTEGER;
+  v_floors TIMESTAMPTZ[];
 BEGIN
   PERFORM tq_require_worker(p_worker_id);
   IF p_max_tasks IS NULL OR p_max_tasks NOT BETWEEN 1 AND 1000 THEN
@@ -101,16 +103,16 @@ BEGIN
       'A claim takes 1 to 1000 tasks at once.');
   END IF;
 
-  -- The platforms with pending work of this role ('' for none): skip scans of the heads and of
-  -- store-less tasks, one index probe per platform.
+  PERFORM tq_raise_floors(p_role);
+
+  -- The platforms with pending work of this role ('' for none): one probe of the heads per
+  -- platform that ever had any, from its floor, and a skip scan of the store-less tasks.
   WITH RECURSIVE heads (platform) AS (
-    (SELECT h.platform FROM worker_task_heads h WHERE h.role = p_role ORDER BY h.platform LIMIT 1)
-    UNION ALL
-    SELECT (SELECT h.platform FROM worker_task_heads h
-            WHERE h.role = p_role AND h.platform > x.platform
-            ORDER BY h.platform LIMIT 1)
-    FROM heads x
-    WHERE x.platform IS NOT NULL
+    SELECT f.platform
+    FROM worker_task_floors f
+    WHERE f.role = p_role
+      AND EXISTS (SELECT 1 FROM worker_task_heads h
+                  WHERE h.role = p_role AND h.platform = f.platform AND h.due_at >= f.floor)
   ),
   loose (platform) AS (
     (SELECT coalesce(t.platform, '') FROM worker_tasks t
@@ -167,17 +169,19 @@ BEGIN
   LOOP
     SELECT
       array_agg(w.platform),
-      array_agg(CASE WHEN l.platform IS NULL THEN p_max_tasks ELSE tq_platform_quota(l) END)
-    INTO v_platforms, v_quotas
+      array_agg(CASE WHEN l.platform IS NULL THEN p_max_tasks ELSE tq_platform_quota(l) END),
+      array_agg(coalesce(f.floor, '-infinity'))
+    INTO v_platforms, v_quotas, v_floors
     FROM unnest(v_work) AS w (platform)
-    LEFT JOIN tq_platforms l ON l.platform = w.platform;
+    LEFT JOIN tq_platforms l ON l.platform = w.platform
+    LEFT JOIN worker_task_floors f ON f.role = p_role AND f.platform = w.platform;
 
     -- Per platform with room, its best idle stores with due work (from the heads) and its best
     -- store-less tasks; then the platforms take turns: every platform's first, then every
     -- platform's second, ... Locking the store row serialises the claims of one store.
     WITH room AS (
-      SELECT r.platform, least(r.quota, v_want) AS quota
-      FROM unnest(v_platforms, v_quotas) AS r (platform, quota)
+      SELECT r.platform, least(r.quota, v_want) AS quota, r.floor
+      FROM unnest(v_platforms, v_quotas, v_floors) AS r (platform, quota, floor)
       WHERE r.quota > 0
     ),
     by_store AS (
@@ -189,6 +193,7 @@ BEGIN
         JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
         WHERE h.role = p_role
           AND h.platform = r.platform
+          AND h.due_at >= r.floor  -- checked in the index: dead heads below it cost no visit
           AND h.due_at <= now()
           AND s.active_task_id IS NULL
           AND h.dispensary_id <> ALL (v_skip)
@@ -347,10 +352,14 @@ CREATE FUNCTION public.claim_wait(p_role character varying) RETURNS double preci
     SET search_path TO 'public', 'pg_temp'
     AS $$
   WITH due AS (
-    SELECT DISTINCT h.platform
-    FROM worker_task_heads h
-    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
-    WHERE h.role = p_role AND h.due_at <= now() AND s.active_task_id IS NULL
+    SELECT f.platform
+    FROM worker_task_floors f
+    WHERE f.role = p_role
+      AND EXISTS (SELECT 1
+                  FROM worker_task_heads h
+                  JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+                  WHERE h.role = p_role AND h.platform = f.platform
+                    AND h.due_at >= f.floor AND h.due_at <= now() AND s.active_task_id IS NULL)
     UNION
     SELECT DISTINCT coalesce(t.platform, '')
     FROM worker_tasks t
@@ -479,12 +488,13 @@ BEGIN
       AND t.status IN ('claimed', 'running')
     RETURNING t.id, t.worker_id
   ),
-  -- Each worker's count (a batch is one worker's), in the same statement.
+  -- Each worker's count (a batch is one worker's), appended in the same statement.
   counted AS (
-    UPDATE worker_registry w
-    SET tasks_completed = w.tasks_completed + c.n, last_heartbeat_at = now()
-    FROM (SELECT d.worker_id, count(*) AS n FROM done d GROUP BY d.worker_id) c
-    WHERE w.worker_id = c.worker_id
+    INSERT INTO worker_tallies (worker_id, completed)
+    SELECT d.worker_id, count(*)
+    FROM done d
+    WHERE d.worker_id IS NOT NULL
+    GROUP BY d.worker_id
   )
   SELECT coalesce(array_agg(d.id ORDER BY d.id), '{}') INTO v_done FROM done d;
   RETURN v_done;
@@ -524,6 +534,8 @@ CREATE FUNCTION public.deregister_worker(p_worker_id character varying) RETURNS 
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
+DECLARE
+  v_done BOOLEAN;
 BEGIN
   UPDATE worker_registry w
   SET status = 'offline', last_heartbeat_at = now()
@@ -533,7 +545,9 @@ BEGIN
     AND (w.session_bound OR NOT EXISTS (
            SELECT 1 FROM worker_tasks t
            WHERE t.worker_id = p_worker_id AND t.status IN ('claimed', 'running')));
-  RETURN FOUND;
+  v_done := FOUND;
+  PERFORM tq_fold_tallies(p_worker_id);
+  RETURN v_done;
 END;
 $$;
 
@@ -760,9 +774,9 @@ BEGIN
     RETURNING t.status INTO v_status;
   END IF;
 
-  UPDATE worker_registry
-  SET tasks_failed = tasks_failed + 1, last_heartbeat_at = now()
-  WHERE worker_id = v_worker;
+  IF v_worker IS NOT NULL THEN
+    INSERT INTO worker_tallies (worker_id, failed) VALUES (v_worker, 1);
+  END IF;
   RETURN v_status;
 END;
 $$;
@@ -917,6 +931,8 @@ BEGIN
   WHERE worker_id = p_worker_id
     AND status <> 'offline'
     AND (cardinality(v_owned) > 0 OR coalesce(cardinality(p_task_ids), 0) = 0);
+  -- Folding changes no total (v_workers reads the same before and after), so any caller may.
+  PERFORM tq_fold_tallies(p_worker_id);
   RETURN v_owned;
 END;
 $$;
@@ -1385,6 +1401,8 @@ DECLARE
   v_deleted INTEGER;
 BEGIN
   PERFORM tq_check_prune('prune_workers', p_before, p_limit, 'min_workers_days');
+  -- Every worker's tallies first: those of workers that never heartbeat end here.
+  PERFORM tq_fold_tallies(NULL);
   WITH busy AS (
     -- One branch per partial index over active tasks.
     SELECT t.worker_id
@@ -2095,6 +2113,47 @@ $$;
 
 
 --
+-- Name: tq_fold_tallies(character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_fold_tallies(p_worker_id character varying) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  WITH owners AS (
+    SELECT w.worker_id
+    FROM worker_registry w
+    WHERE CASE WHEN p_worker_id IS NULL
+               THEN w.worker_id IN (SELECT x.worker_id FROM worker_tallies x)
+               ELSE w.worker_id = p_worker_id END
+    ORDER BY w.id
+    FOR NO KEY UPDATE SKIP LOCKED
+  ),
+  folded AS (
+    DELETE FROM worker_tallies t
+    USING owners o
+    WHERE t.worker_id = o.worker_id
+    RETURNING t.worker_id, t.completed, t.failed
+  )
+  UPDATE worker_registry w
+  SET tasks_completed = w.tasks_completed + f.completed,
+      tasks_failed = w.tasks_failed + f.failed
+  FROM (
+    SELECT d.worker_id, sum(d.completed) AS completed, sum(d.failed) AS failed
+    FROM folded d
+    GROUP BY d.worker_id
+  ) f
+  WHERE w.worker_id = f.worker_id;
+
+  IF p_worker_id IS NULL THEN
+    DELETE FROM worker_tallies t
+    WHERE NOT EXISTS (SELECT 1 FROM worker_registry w WHERE w.worker_id = t.worker_id);
+  END IF;
+END;
+$$;
+
+
+--
 -- Name: tq_grant_admin(name); Type: PROCEDURE; Schema: public; Owner: -
 --
 
@@ -2404,6 +2463,30 @@ $$;
 
 
 --
+-- Name: tq_lower_floor(character varying, character varying, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_lower_floor(p_role character varying, p_platform character varying, p_due timestamp with time zone) RETURNS boolean
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  PERFORM 1
+  FROM worker_task_floors f
+  WHERE f.role = p_role AND f.platform = p_platform AND f.floor <= p_due;
+  IF FOUND OR p_due IS NULL THEN
+    RETURN false;
+  END IF;
+  INSERT INTO worker_task_floors AS f (role, platform, floor)
+  VALUES (p_role, p_platform, p_due)
+  ON CONFLICT (role, platform) DO UPDATE
+  SET floor = excluded.floor
+  WHERE excluded.floor < f.floor;
+  RETURN true;
+END;
+$$;
+
+
+--
 -- Name: tq_mark_store_gone(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -2475,7 +2558,7 @@ CREATE TABLE public.tq_platforms (
     CONSTRAINT tq_platforms_platform_check CHECK (((platform)::text <> ''::text)),
     CONSTRAINT tq_platforms_requests_per_second_check CHECK (((requests_per_second >= (0.001)::double precision) AND (requests_per_second <= (10000)::double precision)))
 )
-WITH (fillfactor='50');
+WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='100', autovacuum_vacuum_cost_delay='0');
 
 
 --
@@ -2620,6 +2703,47 @@ $$;
 
 
 --
+-- Name: tq_raise_floors(character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_raise_floors(p_role character varying) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  f RECORD;
+  v_min TIMESTAMPTZ;
+BEGIN
+  FOR f IN
+    SELECT x.platform
+    FROM worker_task_floors x
+    WHERE x.role = p_role AND x.raised_at < now() - INTERVAL '1 second'
+    ORDER BY x.platform
+    FOR NO KEY UPDATE SKIP LOCKED
+  LOOP
+    WITH RECURSIVE firsts (priority, due_at) AS (
+      (SELECT h.priority, h.due_at FROM worker_task_heads h
+       WHERE h.role = p_role AND h.platform = f.platform
+       ORDER BY h.priority DESC, h.due_at LIMIT 1)
+      UNION ALL
+      SELECT n.priority, n.due_at
+      FROM firsts p
+      CROSS JOIN LATERAL (
+        SELECT h.priority, h.due_at FROM worker_task_heads h
+        WHERE h.role = p_role AND h.platform = f.platform AND h.priority < p.priority
+        ORDER BY h.priority DESC, h.due_at LIMIT 1
+      ) n
+    )
+    SELECT min(x.due_at) INTO v_min FROM firsts x;
+    UPDATE worker_task_floors x
+    SET floor = least(coalesce(v_min, 'infinity'), now() - INTERVAL '1 second'),
+        raised_at = now()
+    WHERE x.role = p_role AND x.platform = f.platform;
+  END LOOP;
+END;
+$$;
+
+
+--
 -- Name: tq_refresh_head(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -2661,6 +2785,7 @@ BEGIN
       platform = excluded.platform
   WHERE (h.priority, h.due_at, h.recheck_at, h.platform)
     IS DISTINCT FROM (excluded.priority, excluded.due_at, excluded.recheck_at, excluded.platform);
+  PERFORM tq_lower_floor(p_role, v_platform, v_due);
 END;
 $$;
 
@@ -2673,6 +2798,8 @@ CREATE FUNCTION public.tq_refresh_heads(p_stores integer[], p_roles character va
     LANGUAGE plpgsql
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+DECLARE
+  v_lowered INTEGER;
 BEGIN
   WITH keys AS (
     SELECT DISTINCT k.dispensary_id, k.role
@@ -2726,19 +2853,26 @@ BEGIN
     WHERE h.role = f.role
       AND h.dispensary_id = f.dispensary_id
       AND f.priority IS NULL
+  ),
+  written AS (
+    INSERT INTO worker_task_heads AS h (role, dispensary_id, priority, due_at, recheck_at, platform)
+    SELECT f.role, f.dispensary_id, f.priority, f.due_at, f.recheck_at, f.platform
+    FROM fresh f
+    WHERE f.priority IS NOT NULL
+    ORDER BY f.dispensary_id, f.role
+    ON CONFLICT (role, dispensary_id) DO UPDATE
+    SET priority = excluded.priority,
+        due_at = excluded.due_at,
+        recheck_at = excluded.recheck_at,
+        platform = excluded.platform
+    WHERE (h.priority, h.due_at, h.recheck_at, h.platform)
+      IS DISTINCT FROM (excluded.priority, excluded.due_at, excluded.recheck_at, excluded.platform)
+    RETURNING h.role, h.platform, h.due_at
   )
-  INSERT INTO worker_task_heads AS h (role, dispensary_id, priority, due_at, recheck_at, platform)
-  SELECT f.role, f.dispensary_id, f.priority, f.due_at, f.recheck_at, f.platform
-  FROM fresh f
-  WHERE f.priority IS NOT NULL
-  ORDER BY f.dispensary_id, f.role
-  ON CONFLICT (role, dispensary_id) DO UPDATE
-  SET priority = excluded.priority,
-      due_at = excluded.due_at,
-      recheck_at = excluded.recheck_at,
-      platform = excluded.platform
-  WHERE (h.priority, h.due_at, h.recheck_at, h.platform)
-    IS DISTINCT FROM (excluded.priority, excluded.due_at, excluded.recheck_at, excluded.platform);
+  -- No head below its floor: one call per platform written, which reads unless it must lower.
+  SELECT count(*) INTO v_lowered
+  FROM (SELECT w.role, w.platform, min(w.due_at) AS due FROM written w GROUP BY w.role, w.platform) m
+  WHERE tq_lower_floor(m.role, m.platform, m.due);
 END;
 $$;
 
@@ -2976,7 +3110,8 @@ CREATE TABLE public.worker_registry (
     session_bound boolean DEFAULT false NOT NULL,
     CONSTRAINT valid_worker_status CHECK (((status)::text = ANY ((ARRAY['active'::character varying, 'idle'::character varying, 'offline'::character varying])::text[]))),
     CONSTRAINT worker_registry_heartbeat_seconds_check CHECK ((heartbeat_seconds > (0)::double precision))
-);
+)
+WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='200', autovacuum_vacuum_cost_delay='0');
 
 
 --
@@ -2984,6 +3119,20 @@ CREATE TABLE public.worker_registry (
 --
 
 COMMENT ON TABLE public.worker_registry IS 'Registry of workers: heartbeats and completed/failed counts';
+
+
+--
+-- Name: COLUMN worker_registry.tasks_completed; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.worker_registry.tasks_completed IS 'Completed tasks, as of the worker''s last heartbeat (v_workers adds the tallies not folded yet)';
+
+
+--
+-- Name: COLUMN worker_registry.tasks_failed; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.worker_registry.tasks_failed IS 'Failed task attempts, as of the worker''s last heartbeat (v_workers adds the tallies not folded yet)';
 
 
 --
@@ -3963,9 +4112,9 @@ BEGIN
       'The tasks a worker completed in its handlers'' own transactions since it last said so: one batch''s '
       'worth (a claim takes at most 1000).');
   END IF;
-  UPDATE worker_registry
-  SET tasks_completed = tasks_completed + p_count, last_heartbeat_at = now()
-  WHERE worker_id = p_worker_id;
+  IF p_count > 0 AND p_worker_id IS NOT NULL THEN
+    INSERT INTO worker_tallies (worker_id, completed) VALUES (p_worker_id, p_count);
+  END IF;
 END;
 $$;
 
@@ -4481,6 +4630,56 @@ COMMENT ON VIEW public.v_worker_capacity IS 'Real-time capacity planning metrics
 
 
 --
+-- Name: worker_tallies; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.worker_tallies (
+    worker_id character varying(100) NOT NULL,
+    completed integer DEFAULT 0 NOT NULL,
+    failed integer DEFAULT 0 NOT NULL
+)
+WITH (autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='500', autovacuum_vacuum_cost_delay='0');
+
+
+--
+-- Name: TABLE worker_tallies; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON TABLE public.worker_tallies IS 'Tasks a worker completed or failed, one row per batch, not yet folded into worker_registry';
+
+
+--
+-- Name: v_workers; Type: VIEW; Schema: public; Owner: -
+--
+
+CREATE VIEW public.v_workers AS
+ SELECT w.worker_id,
+    w.role,
+    w.status,
+    w.pod_name,
+    w.hostname,
+    w.started_at,
+    w.last_heartbeat_at,
+    w.heartbeat_seconds,
+    w.session_bound,
+    (w.tasks_completed + COALESCE(t.completed, (0)::bigint)) AS tasks_completed,
+    (w.tasks_failed + COALESCE(t.failed, (0)::bigint)) AS tasks_failed
+   FROM (public.worker_registry w
+     LEFT JOIN ( SELECT x.worker_id,
+            sum(x.completed) AS completed,
+            sum(x.failed) AS failed
+           FROM public.worker_tallies x
+          GROUP BY x.worker_id) t ON (((t.worker_id)::text = (w.worker_id)::text)));
+
+
+--
+-- Name: VIEW v_workers; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON VIEW public.v_workers IS 'The registry of workers with their exact counts (folded and not yet folded tallies)';
+
+
+--
 -- Name: worker_registry_id_seq; Type: SEQUENCE; Schema: public; Owner: -
 --
 
@@ -4501,6 +4700,26 @@ ALTER SEQUENCE public.worker_registry_id_seq OWNED BY public.worker_registry.id;
 
 
 --
+-- Name: worker_task_floors; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.worker_task_floors (
+    role character varying(50) NOT NULL,
+    platform character varying(50) NOT NULL,
+    floor timestamp with time zone NOT NULL,
+    raised_at timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL
+)
+WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='100', autovacuum_vacuum_cost_delay='0');
+
+
+--
+-- Name: TABLE worker_task_floors; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON TABLE public.worker_task_floors IS 'Per role and platform: no live head comes due before floor, where claims begin their walk (kept by triggers and claims)';
+
+
+--
 -- Name: worker_task_heads; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -4511,7 +4730,8 @@ CREATE TABLE public.worker_task_heads (
     due_at timestamp with time zone NOT NULL,
     recheck_at timestamp with time zone,
     platform character varying(50) DEFAULT ''::character varying NOT NULL
-);
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='500', autovacuum_vacuum_cost_delay='0');
 
 
 --
@@ -4528,7 +4748,8 @@ COMMENT ON TABLE public.worker_task_heads IS 'Per role and store with pending wo
 CREATE TABLE public.worker_task_stores (
     dispensary_id integer NOT NULL,
     active_task_id integer
-);
+)
+WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='500', autovacuum_vacuum_cost_delay='0');
 
 
 --
@@ -4671,7 +4892,10 @@ INSERT INTO public.tq_relations (relation_name) VALUES
 	('v_worker_capacity'),
 	('v_platform_status'),
 	('v_store_freshness'),
-	('v_task_history');
+	('v_task_history'),
+	('worker_tallies'),
+	('v_workers'),
+	('worker_task_floors');
 
 
 --
@@ -4815,6 +5039,14 @@ ALTER TABLE ONLY public.worker_registry
 
 
 --
+-- Name: worker_task_floors worker_task_floors_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.worker_task_floors
+    ADD CONSTRAINT worker_task_floors_pkey PRIMARY KEY (role, platform);
+
+
+--
 -- Name: worker_task_heads worker_task_heads_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -4858,13 +5090,6 @@ CREATE INDEX idx_product_history_product ON public.product_history USING btree (
 --
 
 CREATE INDEX idx_product_history_store ON public.product_history USING btree (dispensary_id, observed_at);
-
-
---
--- Name: idx_worker_registry_heartbeat; Type: INDEX; Schema: public; Owner: -
---
-
-CREATE INDEX idx_worker_registry_heartbeat ON public.worker_registry USING btree (last_heartbeat_at) WHERE ((status)::text = 'active'::text);
 
 
 --

@@ -73,6 +73,16 @@ def assert_store_state_consistent(conn: psycopg.Connection) -> None:
         """
     ).fetchall()
     assert wrong_heads == [], f"heads disagree with the pending tasks: {wrong_heads}"
+    # No head below its platform's claim floor (0015), where a claim would not look for it.
+    below = conn.execute(
+        """
+        SELECT h.role, h.platform, h.dispensary_id, h.due_at, f.floor
+        FROM worker_task_heads h
+        LEFT JOIN worker_task_floors f ON f.role = h.role AND f.platform = h.platform
+        WHERE f.floor IS NULL OR h.due_at < f.floor
+        """
+    ).fetchall()
+    assert below == [], f"heads below their claim floor: {below}"
 
 
 def assert_platform_counters_consistent(conn: psycopg.Connection) -> None:

@@ -287,7 +287,7 @@ def test_worker_completed_with_a_huge_count_leaves_the_victims_count_right(
         error = refused(attacker, "SELECT worker_completed('victim', %s)", (2**31 - 1 - 2,))
         assert "count must be between 0 and 100000" in str(error)
         assert conn.execute(
-            "SELECT tasks_completed FROM worker_registry WHERE worker_id = 'victim'"
+            "SELECT tasks_completed FROM v_workers WHERE worker_id = 'victim'"
         ).fetchone() == (0,)
 
         # A count near INTEGER's end, as years of completions would make it: no longer a wall.
@@ -299,7 +299,7 @@ def test_worker_completed_with_a_huge_count_leaves_the_victims_count_right(
             "SELECT complete_tasks(%s, %s, %s::JSONB[])", (ids[1:], leases[1:], ["{}", "{}"])
         ).fetchone() == (sorted(ids[1:]),)
     assert conn.execute(
-        "SELECT tasks_completed FROM worker_registry WHERE worker_id = 'victim'"
+        "SELECT tasks_completed FROM v_workers WHERE worker_id = 'victim'"
     ).fetchone() == (2**31 - 2 + 3,)
     assert conn.execute("SELECT status, count(*) FROM worker_tasks GROUP BY 1").fetchall() == [
         ("completed", 3)

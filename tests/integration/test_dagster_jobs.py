@@ -292,7 +292,7 @@ def test_drain_completes_every_ready_task(
         (ROLE, "completed", worker_id, "noop", total),
     ]
     assert conn.execute(
-        "SELECT status, tasks_completed FROM worker_registry WHERE worker_id = %s", (worker_id,)
+        "SELECT status, tasks_completed FROM v_workers WHERE worker_id = %s", (worker_id,)
     ).fetchone() == ("offline", total)
     assert_store_state_consistent(conn)
 

@@ -317,7 +317,7 @@ def test_other_worker_cannot_start_complete_fail_or_heartbeat(conn: psycopg.Conn
     owner = queue.claim(ROLE, "owner")
     assert owner.id == task_id
     before = row(conn, task_id)
-    registry_before = conn.execute("SELECT tasks_completed, tasks_failed FROM worker_registry").fetchall()
+    registry_before = conn.execute("SELECT tasks_completed, tasks_failed FROM v_workers").fetchall()
     intruder = Lease(task_id, uuid.uuid4())  # the task's id, with a token of the intruder's own
     assert queue.start(intruder) is False
     assert queue.start_many([intruder]) == set()
@@ -329,7 +329,7 @@ def test_other_worker_cannot_start_complete_fail_or_heartbeat(conn: psycopg.Conn
     assert queue.defer(intruder, 60) is False
     assert row(conn, task_id) == before
     assert (
-        conn.execute("SELECT tasks_completed, tasks_failed FROM worker_registry").fetchall()
+        conn.execute("SELECT tasks_completed, tasks_failed FROM v_workers").fetchall()
         == registry_before
     )
     # The owner still can.
@@ -397,7 +397,7 @@ def test_complete_tasks_completes_only_owned_ids(conn: psycopg.Connection, queue
     assert queue.get(theirs).status == "claimed" and queue.get(theirs).result is None
     assert queue.get(pending).status == "pending"
     assert all(queue.get(i).result == {"id": i} for i in mine)
-    assert conn.execute("SELECT tasks_completed FROM worker_registry WHERE worker_id = 'wA'").fetchone() == (
+    assert conn.execute("SELECT tasks_completed FROM v_workers WHERE worker_id = 'wA'").fetchone() == (
         2,
     )
 
@@ -567,7 +567,7 @@ def test_074_defect_7_worker_registry_tracks_counts_and_status(conn: psycopg.Con
 
     def reg(worker_id: str) -> tuple:
         return conn.execute(
-            "SELECT status, tasks_completed, tasks_failed FROM worker_registry WHERE worker_id = %s",
+            "SELECT status, tasks_completed, tasks_failed FROM v_workers WHERE worker_id = %s",
             (worker_id,),
         ).fetchone()
 

@@ -25,7 +25,7 @@ def add_loose_tasks(conn: psycopg.Connection, count: int, role: str = LOOSE) -> 
 
 def registry(conn: psycopg.Connection, worker_id: str) -> tuple:
     return conn.execute(
-        "SELECT status, tasks_completed, tasks_failed FROM worker_registry WHERE worker_id = %s", (worker_id,)
+        "SELECT status, tasks_completed, tasks_failed FROM v_workers WHERE worker_id = %s", (worker_id,)
     ).fetchone()
 
 

@@ -1,0 +1,185 @@
+"""Hot rows (migration 0015): a worker's counts are appended as tallies and folded at its
+heartbeat, so that completions never update its registry row; v_workers is exact at any moment,
+under many workers completing and heartbeating at once."""
+
+import threading
+
+import psycopg
+import pytest
+
+from tests.helpers import add_stores
+from tq_pipelines.queue.api import TaskQueue
+
+ROLE = "product_resync"
+
+
+def registry_version(conn: psycopg.Connection, worker_id: str) -> tuple:
+    """The registry row's version (ctid, xmin): changes with every update of the row."""
+    return conn.execute(
+        "SELECT ctid::TEXT, xmin::TEXT FROM worker_registry WHERE worker_id = %s", (worker_id,)
+    ).fetchone()
+
+
+def counts(conn: psycopg.Connection, relation: str, worker_id: str) -> tuple:
+    return conn.execute(
+        f"SELECT tasks_completed, tasks_failed FROM {relation} WHERE worker_id = %s", (worker_id,)
+    ).fetchone()
+
+
+def test_completions_and_failures_leave_the_registry_row_alone(conn: psycopg.Connection, queue: TaskQueue):
+    stores = add_stores(conn, 6)
+    for s in stores:
+        queue.enqueue(ROLE, s)
+    queue.register_worker("w1", ROLE)
+    before = registry_version(conn, "w1")
+    held = queue.claim_many(ROLE, "w1", 6, start=True)
+    assert len(held) == 6
+    assert queue.complete(held[0], {"n": 0})
+    assert queue.complete_many({t.lease: None for t in held[1:4]}) == {t.id for t in held[1:4]}
+    assert queue.fail(held[4], "boom", retryable=False) == "failed"
+    assert queue.fail(held[5], "again") == "pending"
+    queue.worker_completed("w1", 2)
+
+    assert registry_version(conn, "w1") == before, "a completion or failure updated the registry row"
+    assert counts(conn, "worker_registry", "w1") == (0, 0)
+    assert counts(conn, "v_workers", "w1") == (6, 2)
+
+    # The heartbeat folds: the registry row then holds the counts, and no tally is left.
+    assert queue.heartbeat("w1", []) == set()
+    assert counts(conn, "worker_registry", "w1") == (6, 2)
+    assert counts(conn, "v_workers", "w1") == (6, 2)
+    assert conn.execute("SELECT count(*) FROM worker_tallies").fetchone() == (0,)
+
+
+def test_heartbeat_is_a_hot_update(db_url: str, conn: psycopg.Connection, queue: TaskQueue):
+    """No index covers last_heartbeat_at any more: a heartbeat stays within its page."""
+    queue.register_worker("w1", ROLE)
+    queue.heartbeat("w1", [])
+    with psycopg.connect(db_url) as c:
+        for _ in range(5):
+            c.execute("SELECT heartbeat_tasks('w1', '{}', '{}')")
+        updates, hot = c.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = 'worker_registry'"
+        ).fetchone()
+    assert updates == 5
+    assert hot == 5
+
+
+def test_prune_workers_folds_every_workers_tallies(conn: psycopg.Connection, queue: TaskQueue):
+    """A worker that never heartbeats (plain TaskQueue calls) has its tallies folded by the prune."""
+    stores = add_stores(conn, 2)
+    for s in stores:
+        queue.enqueue(ROLE, s)
+    queue.register_worker("quiet", ROLE)
+    held = queue.claim_many(ROLE, "quiet", 2, start=True)
+    queue.complete_many({t.lease: None for t in held})
+    assert conn.execute("SELECT count(*) FROM worker_tallies").fetchone() == (1,)
+    # A cut-off in the past keeps the worker's row: only the fold happens.
+    conn.execute("SELECT prune_workers('-infinity', 100)")
+    assert counts(conn, "worker_registry", "quiet") == (2, 0)
+    assert conn.execute("SELECT count(*) FROM worker_tallies").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("workers", [8])
+def test_counts_are_exact_under_concurrent_completions_and_folds(
+    db_url: str, conn: psycopg.Connection, workers: int
+):
+    """Many workers complete in batches while their heartbeats (and a pruner) fold at the same
+    time: afterwards every worker's count equals the tasks the table says it completed."""
+    stores = add_stores(conn, 400)
+    conn.execute(
+        "INSERT INTO worker_tasks (role, dispensary_id) SELECT %s, s FROM unnest(%s::INT[]) s",
+        (ROLE, stores),
+    )
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(workers + 1)
+    done = threading.Event()
+
+    def work(n: int) -> None:
+        worker_id = f"w{n}"
+        try:
+            with TaskQueue.connect(db_url, min_size=2, max_size=2) as q:
+                q.register_worker(worker_id, ROLE)
+                barrier.wait()
+                while held := q.claim_many(ROLE, worker_id, 7, start=True):
+                    q.complete_many({t.lease: None for t in held[1:]})
+                    q.fail(held[0], "counted as a failure", retryable=False)
+                    q.heartbeat(worker_id, [])
+        except BaseException as e:
+            errors.append(e)
+
+    def fold() -> None:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            barrier.wait()
+            while not done.is_set():
+                c.execute("SELECT prune_workers('-infinity', 100)")
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(workers)]
+    folder = threading.Thread(target=fold)
+    for t in [*threads, folder]:
+        t.start()
+    for t in threads:
+        t.join(120)
+    done.set()
+    folder.join(30)
+    assert not errors, errors
+
+    table = {
+        r[0]: (r[1], r[2])
+        for r in conn.execute(
+            "SELECT worker_id, count(*) FILTER (WHERE status = 'completed'), "
+            "count(*) FILTER (WHERE status = 'failed') FROM worker_tasks GROUP BY worker_id"
+        )
+    }
+    seen = {
+        r[0]: (r[1], r[2])
+        for r in conn.execute("SELECT worker_id, tasks_completed, tasks_failed FROM v_workers")
+    }
+    assert sum(c + f for c, f in seen.values()) == 400
+    assert seen == table
+
+
+def floor_of(conn: psycopg.Connection, platform: str = "dutchie"):
+    return conn.execute(
+        "SELECT floor FROM worker_task_floors WHERE role = %s AND platform = %s", (ROLE, platform)
+    ).fetchone()[0]
+
+
+def test_a_head_due_before_the_floor_lowers_it_and_is_claimed_first(
+    conn: psycopg.Connection, queue: TaskQueue
+):
+    """Claims raise the floor past the work they took; a task due earlier than the floor (a
+    backfilled day, a recovered task) lowers it, and the claim order stays oldest due first."""
+    a, b, c = add_stores(conn, 3)
+    queue.enqueue(ROLE, a)
+    (first,) = queue.claim_many(ROLE, "w1", 1)
+    assert first.dispensary_id == a
+    queue.enqueue(ROLE, b)
+    raised = floor_of(conn)
+    assert raised > conn.execute("SELECT now() - interval '1 minute'").fetchone()[0]
+    old = conn.execute("SELECT now() - interval '1 hour'").fetchone()[0]
+    conn.execute("SELECT enqueue_task(%s, %s, NULL, 0, %s)", (ROLE, c, old))
+    assert floor_of(conn) == old
+    assert [t.dispensary_id for t in queue.claim_many(ROLE, "w1", 2)] == [c, b]
+
+
+def test_a_head_committed_after_a_raise_is_claimed_a_moment_later(db_url: str, conn: psycopg.Connection):
+    """The one way a head ends below its floor: its transaction checked the floor, then a claim
+    raised it (not seeing the uncommitted head), then it committed. The next raise, a second
+    later, lowers the floor to it again: late, never lost."""
+    (store,) = add_stores(conn, 1)
+    with TaskQueue.connect(db_url, max_size=2) as queue, psycopg.connect(db_url) as slow:
+        queue.enqueue(ROLE, add_stores(conn, 1)[0])
+        assert len(queue.claim_many(ROLE, "w1", 5)) == 1  # the floor row exists and was raised
+        slow.execute("SELECT enqueue_task(%s, %s)", (ROLE, store))  # due at the start of its transaction
+        conn.execute("SELECT pg_sleep(1.2)")
+        assert queue.claim_many(ROLE, "w1", 5) == []  # raises past the uncommitted head
+        slow.commit()
+        due = conn.execute("SELECT due_at FROM worker_tasks WHERE dispensary_id = %s", (store,)).fetchone()[0]
+        assert due < floor_of(conn), "the race this test is about did not happen"
+        claimed = []
+        for _ in range(40):
+            if claimed := queue.claim_many(ROLE, "w1", 5):
+                break
+            conn.execute("SELECT pg_sleep(0.1)")
+        assert [t.dispensary_id for t in claimed] == [store]
