@@ -298,9 +298,9 @@ def test_worker_completed_with_a_huge_count_leaves_the_victims_count_right(
         assert victim.execute(
             "SELECT complete_tasks(%s, %s, %s::JSONB[])", (ids[1:], leases[1:], ["{}", "{}"])
         ).fetchone() == (sorted(ids[1:]),)
-    assert conn.execute(
-        "SELECT tasks_completed FROM v_workers WHERE worker_id = 'victim'"
-    ).fetchone() == (2**31 - 2 + 3,)
+    assert conn.execute("SELECT tasks_completed FROM v_workers WHERE worker_id = 'victim'").fetchone() == (
+        2**31 - 2 + 3,
+    )
     assert conn.execute("SELECT status, count(*) FROM worker_tasks GROUP BY 1").fetchall() == [
         ("completed", 3)
     ]

@@ -328,10 +328,7 @@ def test_other_worker_cannot_start_complete_fail_or_heartbeat(conn: psycopg.Conn
     assert queue.fail(intruder, "boom", retryable=False) is None
     assert queue.defer(intruder, 60) is False
     assert row(conn, task_id) == before
-    assert (
-        conn.execute("SELECT tasks_completed, tasks_failed FROM v_workers").fetchall()
-        == registry_before
-    )
+    assert conn.execute("SELECT tasks_completed, tasks_failed FROM v_workers").fetchall() == registry_before
     # The owner still can.
     assert queue.start(owner) is True
     assert queue.heartbeat("owner", [owner]) == {task_id}
@@ -397,9 +394,7 @@ def test_complete_tasks_completes_only_owned_ids(conn: psycopg.Connection, queue
     assert queue.get(theirs).status == "claimed" and queue.get(theirs).result is None
     assert queue.get(pending).status == "pending"
     assert all(queue.get(i).result == {"id": i} for i in mine)
-    assert conn.execute("SELECT tasks_completed FROM v_workers WHERE worker_id = 'wA'").fetchone() == (
-        2,
-    )
+    assert conn.execute("SELECT tasks_completed FROM v_workers WHERE worker_id = 'wA'").fetchone() == (2,)
 
 
 def test_complete_tasks_with_mismatched_arrays_is_refused(conn: psycopg.Connection, queue: TaskQueue):
