@@ -1,19 +1,24 @@
 """Crawl throughput: stores resynced per second against the bound the politeness limits allow.
 
     python bench/crawl_throughput.py [--url URL] [--stores 2000] [--platforms 2] [--latency-ms 100]
-                                     [--in-flight 8] [--changed-versions 1]
+                                     [--in-flight 8] [--bound in-flight|rate] [--rate 40]
+                                     [--runs 1] [--changed-versions 1]
 
 In one run, on one database server, with the menu simulator in a process of its own (fixed
 latency, no faults):
 1. ``--stores`` stores, spread over ``--platforms`` platforms, are resolved and crawled once
-   (product_discovery, through a real drain run): the first crawl, every product new;
+   (product_discovery, through real drain runs): the first crawl, every product new;
 2. the simulator restarts ``--changed-versions`` menu versions later, so that some menus changed;
-3. the day's resync is generated and drained by one drain run (``drain_tasks_job`` in process,
-   the same op the sensor launches), its concurrency sized by the op (twice the in-flight slots);
-4. the bound: a probe measures one request's latency on the same simulator (median of 50), and
-   the bound is (in-flight per host x platforms) / that latency, in stores/s.
+3. the day's resync is generated and drained by ``--runs`` drain runs at once, each a process of
+   its own (``drain_tasks_job`` in process, the same op the sensor launches), its concurrency
+   sized by the op (twice the in-flight slots); the runs begin together, once all are loaded;
+4. the bound: a probe measures one request's latency on the same simulator (median of 50).
+   ``--bound in-flight``: ``--in-flight`` slots per host and no rate that binds; the bound is
+   (in-flight per host x platforms) / that latency. ``--bound rate``: ``--rate`` requests per
+   second per platform (below what the slots carry), and the bound is rate x platforms.
 Figures: stores/s from first claim to last completion (from worker_tasks), and its ratio to the
-bound; the server's highest in-flight count per host shows the limit was held, not exceeded.
+bound; each run's share of the stores (and the spread, the largest over the smallest); the
+server's highest in-flight count per host shows the limit was held, not exceeded.
 """
 
 import argparse
@@ -77,14 +82,15 @@ class SimulatorProcess:
         return stats
 
 
-def platforms_file(folder: Path, urls: dict[str, str], in_flight: int) -> Path:
-    """Politeness at ``in_flight`` per host, and no rate limit or timeout that could bind first."""
+def platforms_file(folder: Path, urls: dict[str, str], in_flight: int, rate: float = 10000) -> Path:
+    """Politeness at ``in_flight`` per host and ``rate`` requests per second (by default one that
+    never binds), and no timeout that could bind first."""
     path = folder / "platforms.toml"
     path.write_text(
         platforms_toml(
             urls,
             max_in_flight=in_flight,
-            requests_per_second=10000,
+            requests_per_second=rate,
             timeout_seconds=30,
             slot_wait_seconds=30,
         )
@@ -129,6 +135,46 @@ def drain(url: str, role: str, path: Path, pool: int) -> dict[str, Any]:
     return {k: v.value for k, v in event.step_output_data.metadata.items()}
 
 
+def _drain_process(url: str, role: str, path: str, pool: int, ready: Any, go: Any, out: Any) -> None:
+    """One drain run in a process of its own: loaded, it waits for the others, then drains."""
+    ready.put(os.getpid())
+    go.wait()
+    out.put(drain(url, role, Path(path), pool))
+
+
+def drain_runs(url: str, role: str, path: Path, pool: int, runs: int) -> list[dict[str, Any]]:
+    """``runs`` drain runs at once, each a process; returns each run's metadata. With one, in
+    this process, as a single run is usually launched."""
+    if runs == 1:
+        return [drain(url, role, path, pool)]
+    ctx = mp.get_context("spawn")
+    ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_drain_process, args=(url, role, str(path), pool, ready, go, out))
+        for _ in range(runs)
+    ]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.get(timeout=120)
+    go.set()
+    results = [out.get(timeout=3600) for _ in procs]
+    for p in procs:
+        p.join(30)
+    return results
+
+
+def shares(url: str, role: str) -> list[int]:
+    """Stores completed by each run (worker), largest first."""
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT count(*) FROM worker_tasks WHERE status = 'completed' AND role = %s"
+            " GROUP BY worker_id ORDER BY 1 DESC",
+            (role,),
+        ).fetchall()
+    return [n for (n,) in rows]
+
+
 def rate(url: str, role: str) -> tuple[int, float]:
     with psycopg.connect(url) as conn:
         n, seconds = conn.execute(
@@ -171,8 +217,19 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=100.0)
     parser.add_argument("--in-flight", type=int, default=8, help="max_in_flight per platform host")
     parser.add_argument("--changed-versions", type=int, default=1, help="menu versions between crawls")
-    parser.add_argument("--pool", type=int, default=8, help="queue connection pool of the drain run")
+    parser.add_argument("--pool", type=int, default=8, help="queue connection pool of each drain run")
+    parser.add_argument("--runs", type=int, default=1, help="drain runs at once, each a process")
+    parser.add_argument(
+        "--bound",
+        choices=("in-flight", "rate"),
+        default="in-flight",
+        help="the limit that binds: in-flight slots per host, or a request rate per platform",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=40.0, help="with --bound rate: requests per second per platform"
+    )
     args = parser.parse_args()
+    limit_rate = args.rate if args.bound == "rate" else 10000
 
     per = args.stores // args.platforms
     profiles = [
@@ -200,8 +257,10 @@ def main() -> None:
             " SELECT 'product_discovery', id, menu_type FROM dispensaries"
             " ORDER BY row_number() OVER (PARTITION BY menu_type ORDER BY id), menu_type, id"
         )
-    first = drain(url, "product_discovery", platforms_file(folder, sim.urls, args.in_flight), args.pool)
+    path = platforms_file(folder, sim.urls, args.in_flight, limit_rate)
+    first = drain_runs(url, "product_discovery", path, args.pool, args.runs)
     first_n, first_rate = rate(url, "product_discovery")
+    first_shares = shares(url, "product_discovery")
     first_stats = sim.stop()
     new_history = history_rows(url)
 
@@ -211,8 +270,10 @@ def main() -> None:
         generated = queue.generate_resync(
             day=datetime.now(UTC).date(), batches_per_day=1, platforms=[p.name for p in profiles]
         )
-    resync = drain(url, "product_resync", platforms_file(folder, sim.urls, args.in_flight), args.pool)
+    path = platforms_file(folder, sim.urls, args.in_flight, limit_rate)
+    resync = drain_runs(url, "product_resync", path, args.pool, args.runs)
     resync_n, resync_rate = rate(url, "product_resync")
+    resync_shares = shares(url, "product_resync")
     with psycopg.connect(url) as conn:
         changed_menus = conn.execute(
             "SELECT count(*) FILTER (WHERE NOT (result->>'unchanged')::boolean) FROM worker_tasks"
@@ -221,12 +282,25 @@ def main() -> None:
     # 4. The bound, on the same simulator.
     latency = probe_latency(sim.urls, url)
     resync_stats = sim.stop()
-    bound = args.in_flight * args.platforms / latency
+    in_flight_bound = args.in_flight * args.platforms / latency
+    bound = (
+        in_flight_bound if args.bound == "in-flight" else min(limit_rate * args.platforms, in_flight_bound)
+    )
+
+    def run_totals(runs: list[dict[str, Any]]) -> dict[str, int]:
+        keys = ("completed", "failed", "retried", "deferred", "lost")
+        return {k: sum(r[k] for r in runs) for k in keys} | {"concurrency": runs[0]["concurrency"]}
+
+    def spread(counts: list[int]) -> float | None:
+        return round(max(counts) / min(counts), 2) if counts and min(counts) > 0 else None
 
     report = {
         "stores": stores,
         "platforms": args.platforms,
+        "runs": args.runs,
+        "bound_by": args.bound,
         "in_flight_per_host": args.in_flight,
+        "requests_per_second_per_platform": limit_rate,
         "latency_ms_configured": args.latency_ms,
         "latency_ms_measured": round(latency * 1000, 1),
         "bound_stores_per_s": round(bound, 1),
@@ -235,7 +309,9 @@ def main() -> None:
             "stores_per_s": round(first_rate, 1),
             "ratio": round(first_rate / bound, 2),
             "history_rows": new_history,
-            "run": {k: first[k] for k in ("completed", "failed", "retried", "deferred", "concurrency")},
+            "run": run_totals(first),
+            "per_run": first_shares,
+            "spread": spread(first_shares),
             "server_max_in_flight": {n: s["max_in_flight"] for n, s in first_stats.items()},
         },
         "resync": {
@@ -245,7 +321,9 @@ def main() -> None:
             "stores_per_s": round(resync_rate, 1),
             "ratio": round(resync_rate / bound, 2),
             "history_rows_added": history_rows(url) - new_history,
-            "run": {k: resync[k] for k in ("completed", "failed", "retried", "deferred", "concurrency")},
+            "run": run_totals(resync),
+            "per_run": resync_shares,
+            "spread": spread(resync_shares),
             "server_max_in_flight": {n: s["max_in_flight"] for n, s in resync_stats.items()},
         },
     }

@@ -182,10 +182,12 @@ WITH room AS (
     CASE
       WHEN l.paused_until > now() THEN 0
       WHEN l.pauses > 0 THEN
-        CASE WHEN l.probe_task_id IS NULL AND l.in_flight < l.max_in_flight THEN 1 ELSE 0 END
-      ELSE greatest(l.max_in_flight - l.in_flight, 0)
+        CASE WHEN l.probe_task_id IS NULL AND l.in_flight + h.held < l.max_in_flight THEN 1 ELSE 0 END
+      ELSE greatest(l.max_in_flight - l.in_flight - h.held, 0)
     END AS free
   FROM tq_platforms l
+  -- Slots held after a timeout (0016) are taken as tasks' are.
+  CROSS JOIN LATERAL (SELECT count(*) AS held FROM unnest(l.busy_until) AS u WHERE u > now()) h
 ),
 due AS (
   SELECT h.role, h.platform, count(*) AS n
@@ -237,6 +239,13 @@ SELECT decision, wait_seconds FROM platform_request(%(task_id)s, %(lease)s, %(fi
 
 -- name: platform_release
 SELECT platform_release(%(task_id)s, %(lease)s) AS released;
+
+-- name: platform_handoff
+-- The slot goes back and the next due task of the platform is claimed for the same worker (0016).
+SELECT (c.task).*, c.lease AS lease_token FROM platform_handoff(%(task_id)s, %(lease)s) c;
+
+-- name: platform_abandon
+SELECT platform_abandon(%(task_id)s, %(lease)s, %(busy_seconds)s::FLOAT8) AS held;
 
 -- name: platform_answered
 SELECT platform_answered(%(task_id)s, %(lease)s) AS closed;

@@ -169,7 +169,8 @@ BEGIN
   LOOP
     SELECT
       array_agg(w.platform),
-      array_agg(CASE WHEN l.platform IS NULL THEN p_max_tasks ELSE tq_platform_quota(l) END),
+      array_agg(CASE WHEN l.platform IS NULL THEN p_max_tasks
+                   ELSE least(tq_platform_quota(l), tq_worker_room(l, p_role, p_worker_id)) END),
       array_agg(coalesce(f.floor, '-infinity'))
     INTO v_platforms, v_quotas, v_floors
     FROM unnest(v_work) AS w (platform)
@@ -369,7 +370,7 @@ CREATE FUNCTION public.claim_wait(p_role character varying) RETURNS double preci
     WHEN l.platform IS NULL THEN 0
     WHEN l.paused_until > now() THEN extract(EPOCH FROM l.paused_until - now())
     WHEN l.pauses > 0 AND l.probe_task_id IS NOT NULL THEN 0.5
-    WHEN l.in_flight >= l.max_in_flight THEN 0.25
+    WHEN l.in_flight + tq_platform_held(l) >= l.max_in_flight THEN 0.25
     ELSE greatest(
       extract(EPOCH FROM greatest(l.tat, now()) - now())
         - tq_platform_tolerance(l.burst, l.requests_per_second) - 1,
@@ -956,6 +957,52 @@ $$;
 
 
 --
+-- Name: platform_abandon(integer, uuid, double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.platform_abandon(p_task_id integer, p_lease uuid, p_busy_seconds double precision) RETURNS boolean
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+  v_platform VARCHAR;
+BEGIN
+  IF p_busy_seconds IS NULL OR p_busy_seconds NOT BETWEEN 0 AND 3600 THEN
+    PERFORM tq_refuse('platform_abandon', 'busy_seconds', coalesce(p_busy_seconds::TEXT, 'NULL'),
+      'must be between 0 and 3600',
+      'How long the platform may still be serving the abandoned request, in seconds: its server-side timeout.');
+  END IF;
+  UPDATE worker_tasks t
+  SET send_at = NULL
+  WHERE t.id = p_task_id
+    AND t.lease_hash = tq_lease_hash(p_lease)
+    AND t.status IN ('claimed', 'running')
+    AND t.send_at IS NOT NULL
+  RETURNING t.platform INTO v_platform;
+  IF NOT FOUND THEN
+    RETURN false;
+  END IF;
+  IF p_busy_seconds > 0 THEN
+    -- Holds that ended are dropped as a new one comes.
+    UPDATE tq_platforms l
+    SET busy_until = ARRAY(SELECT u FROM unnest(l.busy_until) AS u WHERE u > now() ORDER BY u)
+                     || (now() + make_interval(secs => p_busy_seconds)),
+        updated_at = now()
+    WHERE l.platform = v_platform;
+  END IF;
+  RETURN true;
+END;
+$$;
+
+
+--
+-- Name: FUNCTION platform_abandon(p_task_id integer, p_lease uuid, p_busy_seconds double precision); Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON FUNCTION public.platform_abandon(p_task_id integer, p_lease uuid, p_busy_seconds double precision) IS 'The client gave up on the task''s request: its slot stays taken for p_busy_seconds, whatever becomes of the task';
+
+
+--
 -- Name: platform_answered(integer, uuid); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1059,6 +1106,41 @@ BEGIN
   RETURN QUERY SELECT true, v_for;
 END;
 $$;
+
+
+--
+-- Name: platform_handoff(integer, uuid); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.platform_handoff(p_task_id integer, p_lease uuid) RETURNS TABLE(task public.worker_tasks, lease uuid)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+  v_role VARCHAR;
+  v_worker VARCHAR;
+  v_platform VARCHAR;
+BEGIN
+  UPDATE worker_tasks t
+  SET send_at = NULL
+  WHERE t.id = p_task_id
+    AND t.lease_hash = tq_lease_hash(p_lease)
+    AND t.status IN ('claimed', 'running')
+    AND t.send_at IS NOT NULL
+  RETURNING t.role, t.worker_id, t.platform INTO v_role, v_worker, v_platform;
+  IF NOT FOUND OR v_platform IS NULL OR v_worker IS NULL THEN
+    RETURN;
+  END IF;
+  RETURN QUERY SELECT c.task, c.lease FROM tq_claim_next(v_role, v_worker, v_platform) c;
+END;
+$$;
+
+
+--
+-- Name: FUNCTION platform_handoff(p_task_id integer, p_lease uuid); Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON FUNCTION public.platform_handoff(p_task_id integer, p_lease uuid) IS 'Give the task''s platform slot back and claim the next due task of that platform for its worker, at once';
 
 
 --
@@ -2113,6 +2195,112 @@ $$;
 
 
 --
+-- Name: tq_claim_next(character varying, character varying, character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_claim_next(p_role character varying, p_worker_id character varying, p_platform character varying) RETURNS TABLE(task public.worker_tasks, lease uuid)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  l tq_platforms;
+  v_store_task INTEGER;
+  v_store_key RECORD;
+  v_loose RECORD;
+  v_id INTEGER;
+  v_token UUID := gen_random_uuid();
+BEGIN
+  SELECT * INTO l FROM tq_platforms p WHERE p.platform = p_platform FOR UPDATE;
+  IF NOT FOUND OR l.pauses > 0 OR tq_platform_quota(l) < 1 OR tq_worker_room(l, p_role, p_worker_id) < 1 THEN
+    RETURN;
+  END IF;
+
+  SELECT h.priority, h.due_at, h.dispensary_id INTO v_store_key
+  FROM worker_task_heads h
+  JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+  WHERE h.role = p_role
+    AND h.platform = p_platform
+    AND h.due_at >= coalesce((SELECT f.floor FROM worker_task_floors f
+                              WHERE f.role = p_role AND f.platform = p_platform), '-infinity')
+    AND h.due_at <= now()
+    AND s.active_task_id IS NULL
+  ORDER BY h.priority DESC, h.due_at, h.dispensary_id
+  LIMIT 1
+  FOR UPDATE OF s SKIP LOCKED;
+
+  SELECT t.id, t.priority, t.due_at INTO v_loose
+  FROM worker_tasks t
+  WHERE t.role = p_role
+    AND coalesce(t.platform, '') = p_platform
+    AND t.status = 'pending'
+    AND t.dispensary_id IS NULL
+    AND t.due_at <= now()
+  ORDER BY t.priority DESC, t.due_at, t.id
+  LIMIT 1
+  FOR UPDATE OF t SKIP LOCKED;
+
+  IF v_store_key.dispensary_id IS NOT NULL
+     AND (v_loose.id IS NULL OR (v_store_key.priority, v_loose.due_at) >= (v_loose.priority, v_store_key.due_at)) THEN
+    SELECT t.id INTO v_store_task
+    FROM worker_tasks t
+    WHERE t.dispensary_id = v_store_key.dispensary_id
+      AND t.role = p_role
+      AND t.status = 'pending'
+      AND t.due_at <= now()
+      AND coalesce(t.platform, '') = p_platform
+    ORDER BY t.priority DESC, t.due_at, t.id
+    LIMIT 1
+    FOR UPDATE OF t SKIP LOCKED;
+    v_id := v_store_task;
+  ELSE
+    v_id := v_loose.id;
+  END IF;
+  IF v_id IS NULL THEN
+    RETURN;
+  END IF;
+
+  -- The GCRA as in a claim of one: its start, and tat one interval further.
+  UPDATE tq_platforms p
+  SET tat = greatest(p.tat, now()) + make_interval(secs => 1 / p.requests_per_second),
+      updated_at = now()
+  WHERE p.platform = p_platform;
+  -- The statement triggers mark the store busy, re-derive its head and count the slot.
+  RETURN QUERY
+  UPDATE worker_tasks t
+  SET status = 'running',
+      worker_id = p_worker_id,
+      claimed_at = now(),
+      started_at = now(),
+      completed_at = NULL,
+      send_at = greatest(now(), greatest(l.tat, now())
+                                - make_interval(secs => tq_platform_tolerance(l.burst, l.requests_per_second))),
+      last_heartbeat_at = now(),
+      lease_hash = tq_lease_hash(v_token)
+  WHERE t.id = v_id
+  RETURNING t, v_token;
+END;
+$$;
+
+
+--
+-- Name: tq_fair_share(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_fair_share(p_max_in_flight integer, p_role character varying) RETURNS integer
+    LANGUAGE plpgsql STABLE
+    AS $$
+BEGIN
+  RETURN ceil(p_max_in_flight::NUMERIC / greatest(1, (
+    SELECT count(*)
+    FROM worker_registry w
+    WHERE w.role = p_role
+      AND w.status <> 'offline'
+      AND w.last_heartbeat_at > now() - make_interval(secs => greatest(2.5 * coalesce(w.heartbeat_seconds, 30), 10))
+  )))::INTEGER;
+END;
+$$;
+
+
+--
 -- Name: tq_fold_tallies(character varying); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -2547,6 +2735,7 @@ CREATE TABLE public.tq_platforms (
     last_error_at timestamp with time zone,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     hosts text[],
+    busy_until timestamp with time zone[] DEFAULT '{}'::timestamp with time zone[] NOT NULL,
     CONSTRAINT tq_platforms_burst_check CHECK (((burst >= 1) AND (burst <= 10000))),
     CONSTRAINT tq_platforms_check CHECK (((max_pause_seconds <= (86400)::double precision) AND (max_pause_seconds >= pause_seconds))),
     CONSTRAINT tq_platforms_error_streak_check CHECK ((error_streak >= 0)),
@@ -2576,6 +2765,29 @@ COMMENT ON COLUMN public.tq_platforms.hosts IS 'The hosts the platform''s URLs m
 
 
 --
+-- Name: COLUMN tq_platforms.busy_until; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.tq_platforms.busy_until IS 'Slots held by requests the client gave up on (a timeout), each until the platform can no longer be serving it';
+
+
+--
+-- Name: tq_platform_held(public.tq_platforms); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_platform_held(l public.tq_platforms) RETURNS integer
+    LANGUAGE plpgsql STABLE
+    AS $$
+BEGIN
+  IF cardinality(l.busy_until) = 0 THEN
+    RETURN 0;
+  END IF;
+  RETURN (SELECT count(*) FROM unnest(l.busy_until) AS u (until) WHERE u.until > now());
+END;
+$$;
+
+
+--
 -- Name: tq_platform_quota(public.tq_platforms); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -2585,9 +2797,10 @@ CREATE FUNCTION public.tq_platform_quota(l public.tq_platforms) RETURNS integer
   SELECT CASE
     WHEN l.paused_until > now() THEN 0
     WHEN l.pauses > 0 THEN
-      CASE WHEN l.probe_task_id IS NULL AND l.in_flight < l.max_in_flight THEN 1 ELSE 0 END
+      CASE WHEN l.probe_task_id IS NULL AND l.in_flight + tq_platform_held(l) < l.max_in_flight
+           THEN 1 ELSE 0 END
     ELSE greatest(0, least(
-      l.max_in_flight - l.in_flight,
+      l.max_in_flight - l.in_flight - tq_platform_held(l),
       -- starts s_i = max(now, base + i*T - tau) with s_i <= now + 1 s
       floor((1.0 + tq_platform_tolerance(l.burst, l.requests_per_second)
              - extract(EPOCH FROM greatest(l.tat, now()) - now())) * l.requests_per_second)::INTEGER + 1))
@@ -3988,6 +4201,25 @@ $_$;
 
 
 --
+-- Name: tq_worker_room(public.tq_platforms, character varying, character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_worker_room(l public.tq_platforms, p_role character varying, p_worker_id character varying) RETURNS integer
+    LANGUAGE plpgsql STABLE
+    AS $$
+BEGIN
+  RETURN greatest(0, tq_fair_share(l.max_in_flight, p_role) - (
+    SELECT count(*)::INTEGER
+    FROM worker_tasks t  -- idx_worker_tasks_holding
+    WHERE t.worker_id = p_worker_id
+      AND t.platform = l.platform
+      AND t.status IN ('claimed', 'running')
+      AND t.send_at IS NOT NULL));
+END;
+$$;
+
+
+--
 -- Name: tq_worker_write_routes(name); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -4442,7 +4674,7 @@ CREATE VIEW public.v_platform_status AS
         CASE
             WHEN (l.paused_until > now()) THEN 'paused'::text
             WHEN (l.pauses > 0) THEN 'probing'::text
-            WHEN (l.in_flight >= l.max_in_flight) THEN 'full'::text
+            WHEN ((l.in_flight + h.held) >= l.max_in_flight) THEN 'full'::text
             ELSE 'open'::text
         END AS state,
     l.in_flight,
@@ -4464,15 +4696,21 @@ CREATE VIEW public.v_platform_status AS
     l.errors_total,
     l.last_error,
     l.last_error_at,
-    l.updated_at
-   FROM public.tq_platforms l;
+    l.updated_at,
+    h.held AS held_after_timeout,
+    h.until AS held_until
+   FROM (public.tq_platforms l
+     CROSS JOIN LATERAL ( SELECT (count(*))::integer AS held,
+            max(u.u) AS until
+           FROM unnest(l.busy_until) u(u)
+          WHERE (u.u > now())) h);
 
 
 --
 -- Name: VIEW v_platform_status; Type: COMMENT; Schema: public; Owner: -
 --
 
-COMMENT ON VIEW public.v_platform_status IS 'Per platform: limits, tasks in flight, pause and errors';
+COMMENT ON VIEW public.v_platform_status IS 'Per platform: limits, tasks in flight, slots held after a timeout, pause and errors';
 
 
 --
@@ -4870,7 +5108,9 @@ INSERT INTO public.tq_api (function_name, for_worker) VALUES
 	('cancel_task', false),
 	('sync_platform_limits', false),
 	('platform_pause', false),
-	('platform_resume', false);
+	('platform_resume', false),
+	('platform_handoff', true),
+	('platform_abandon', true);
 
 
 --
@@ -5139,6 +5379,13 @@ CREATE INDEX idx_worker_tasks_dispensary ON public.worker_tasks USING btree (dis
 --
 
 CREATE INDEX idx_worker_tasks_finished ON public.worker_tasks USING btree (completed_at) WHERE ((status)::text = ANY ((ARRAY['completed'::character varying, 'failed'::character varying])::text[]));
+
+
+--
+-- Name: idx_worker_tasks_holding; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX idx_worker_tasks_holding ON public.worker_tasks USING btree (worker_id, platform) WHERE (((status)::text = ANY ((ARRAY['claimed'::character varying, 'running'::character varying])::text[])) AND (send_at IS NOT NULL));
 
 
 --

@@ -103,6 +103,11 @@ INVOKER_FUNCTIONS = {
     "tq_mark_store_gone",
     "tq_save_entry_point",
     "tq_upsert_listed_stores",
+    # a hand-off's claim of one task, the holds after a timeout, fair shares (0016)
+    "tq_claim_next",
+    "tq_platform_held",
+    "tq_fair_share",
+    "tq_worker_room",
     "tq_sync_limits",
 }
 

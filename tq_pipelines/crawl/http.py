@@ -6,7 +6,9 @@ task (redirect hops included, whatever host they name) goes through the task's
 :class:`~tq_pipelines.queue.worker.PlatformPermit`, which waits for the start PostgreSQL gives it and
 defers the task while the platform is paused. Answers that speak of the platform (5xx, 429, a
 timeout, a refused connection) go to the platform's breaker; a task that meets a pause is given
-back, not failed.
+back, not failed. A request given up at its timeout once it reached the host may still be served
+there: the permit keeps its slot taken, fleet-wide, until the host's own timeout has passed
+(``server_timeout_seconds``).
 
 The second line, within this process, per host (scheme, name and port): at most
 ``max_in_flight`` requests at once and at most ``requests_per_second`` started. A handler that
@@ -55,10 +57,21 @@ class HostLimits:
     max_in_flight: int = 4
     requests_per_second: float = 10.0
     slot_wait_seconds: float = 5.0
+    # How long the host may go on serving a request from its arrival (its own timeout): a
+    # request the client gave up on holds its platform's slot until then.
+    server_timeout_seconds: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.max_in_flight < 1 or self.requests_per_second <= 0 or self.slot_wait_seconds < 0:
-            raise ValueError("max_in_flight must be >= 1, requests_per_second > 0 and slot_wait_seconds >= 0")
+        if (
+            self.max_in_flight < 1
+            or self.requests_per_second <= 0
+            or self.slot_wait_seconds < 0
+            or not 0 <= self.server_timeout_seconds <= 3600
+        ):
+            raise ValueError(
+                "max_in_flight must be >= 1, requests_per_second > 0, slot_wait_seconds >= 0 and "
+                "server_timeout_seconds between 0 and 3600"
+            )
 
 
 class _Host:
@@ -202,11 +215,17 @@ class PoliteClient:
                     raise DeferTask(max(later, 1.0), f"{key}: paused or rate-limited for {later:.1f} s")
                 if delay > 0:
                     time.sleep(delay)
+                sent = time.monotonic()
                 try:
                     return self.client.get(
                         url, params=params, timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
                     ), host
                 except httpx.TimeoutException as exc:
+                    if permit is not None and not isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+                        # The request reached the host, which may go on serving it after we gave
+                        # up: its slot stays taken until the host's own timeout has passed.
+                        elapsed = time.monotonic() - sent
+                        permit.abandon(max(0.0, host.limits.server_timeout_seconds - elapsed))
                     _platform_trouble(permit, f"timeout on GET {url}: {type(exc).__name__}", None, exc)
                 except httpx.TransportError as exc:
                     _platform_trouble(permit, f"connection error on GET {url}: {exc}", None, exc)

@@ -63,6 +63,15 @@ class PlatformSettings(BaseModel):
     # slot_wait_seconds for a host slot and timeout_seconds for an answer.
     slot_wait_seconds: float = Field(default=5.0, ge=0, le=60)
     timeout_seconds: float = Field(default=10.0, ge=0.1, le=300)
+    # The platform's own timeout: how long it may go on serving a request from its arrival. A
+    # request the client gave up on (timeout_seconds) keeps its slot taken until then, for the
+    # whole fleet (tq_platforms.busy_until), so that the limit counts what the platform serves.
+    server_timeout_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        le=600,
+        description="How long the platform may serve a request the client gave up on",
+    )
     max_pages: int = Field(default=100, ge=1, le=10_000, description="Store directory pages followed at most")
     # Every URL the crawl follows (pages, menu URLs, redirect hops) and every menu URL the queue
     # stores must name one of these hosts: a platform cannot send the crawler elsewhere.
@@ -85,7 +94,9 @@ class PlatformSettings(BaseModel):
         return ((urlsplit(self.base_url).hostname or "").lower(),)
 
     def limits(self) -> HostLimits:
-        return HostLimits(self.max_in_flight, self.requests_per_second, self.slot_wait_seconds)
+        return HostLimits(
+            self.max_in_flight, self.requests_per_second, self.slot_wait_seconds, self.server_timeout_seconds
+        )
 
     def platform_limits(self, name: str) -> PlatformLimits:
         """The limits the queue enforces for the whole fleet."""

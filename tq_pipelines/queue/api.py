@@ -631,6 +631,23 @@ class TaskQueue:
         lease = _lease(held)
         return bool(self._one("platform_release", lease.params)["released"])
 
+    def platform_handoff(self, held: Held) -> Task | None:
+        """The task is done with its platform's requests: its slot goes back and, in the same
+        transaction, its worker claims and starts the next due task of that platform, within the
+        limits and the worker's fair share. Returns that task (with its lease), or None."""
+        lease = _lease(held)
+        with self._cursor(task_row) as cur:
+            rows: list[Task] = cur.execute(query("platform_handoff"), lease.params).fetchall()
+        return rows[0] if rows else None
+
+    def platform_abandon(self, held: Held, busy_seconds: float) -> bool:
+        """The client gave up on the task's request, which the platform may serve for up to
+        ``busy_seconds`` more: the task's slot stays taken until then, whatever becomes of the
+        task. Returns whether the task held a slot."""
+        lease = _lease(held)
+        params = {**lease.params, "busy_seconds": float(busy_seconds)}
+        return bool(self._one("platform_abandon", params)["held"])
+
     def platform_answered(self, held: Held) -> bool:
         """The task is its half-open platform's probe and got an answer (not a 5xx or 429): the
         platform is back for every worker. Returns whether this closed its breaker."""

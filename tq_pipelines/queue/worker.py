@@ -28,6 +28,10 @@ from tq_pipelines.queue.api import JSON, QueueInputError, Task, TaskQueue, Worke
 
 log = logging.getLogger(__name__)
 
+# After a claim that came back short, how long the main loop leaves claiming to hand-offs and to
+# slots given back with outcomes before it asks again.
+SHORT_RETRY_SECONDS = 0.25
+
 
 class PermanentTaskError(Exception):
     """Raised by a handler for a failure that a retry cannot fix: the task fails at once."""
@@ -67,6 +71,9 @@ class PlatformPermit:
     others (which reopens a half-open platform when this task is its probe). A handler done with
     its requests calls :meth:`release` (``ctx.release_platform()``) so that the slot serves
     another task while it stores what it fetched; else the slot goes back with its outcome.
+    With ``hand_off`` (the worker's), the release passes the slot straight to the next task of
+    the platform (``platform_handoff``); ``hand_off`` returns False when it cannot take one (no
+    free thread, the worker stopping), and the slot is then simply given back.
     """
 
     def __init__(
@@ -75,14 +82,19 @@ class PlatformPermit:
         task: Task,
         lease_lost: threading.Event,
         on_release: Callable[[], None] | None = None,
+        hand_off: Callable[[Task], bool] | None = None,
     ) -> None:
         self.queue = queue
         self.on_release = on_release
+        self.hand_off = hand_off
         self.task = task
         self.platform = task.platform or ""
         self.lease_lost = lease_lost
         self.requests = 0
         self.released = False
+        # A hand-off's claim is its first request's permission, given while the platform was
+        # open: (time.monotonic() of the claim, seconds from then to its send_at). None: ask.
+        self.first_start: tuple[float, float] | None = None
         # The task probes its half-open platform: the first healthy answer reopens it for all.
         self.probing = False
         self._one_at_a_time = threading.Lock()
@@ -96,6 +108,14 @@ class PlatformPermit:
                 raise RuntimeError(
                     f"task {self.task.id} gave its {self.platform} slot back and cannot send more requests"
                 )
+            if self.requests == 0 and self.first_start is not None:
+                claimed, delay = self.first_start
+                wait = delay - (time.monotonic() - claimed)
+                if wait > 0 and self.lease_lost.wait(wait):
+                    raise LeaseLostError(f"lease on task {self.task.id} lost while waiting to send")
+                self.requests += 1
+                yield
+                return
             answer = self.queue.platform_request(self.task, first=self.requests == 0)
             if answer.decision == "lost":
                 self.lease_lost.set()
@@ -118,9 +138,20 @@ class PlatformPermit:
         with self._one_at_a_time:
             if not self.released:
                 self.released = True
+                if self.hand_off is not None and self.hand_off(self.task):
+                    return
                 self.queue.platform_release(self.task)
                 if self.on_release is not None:
                     self.on_release()  # the worker may claim for the free slot now
+
+    def abandon(self, busy_seconds: float) -> None:
+        """The client gave up on the request in flight (a timeout), which the platform may go on
+        serving for ``busy_seconds``: the slot stays taken that long, in PostgreSQL, whatever
+        becomes of this task or process; the task sends nothing more. Called by the thread that
+        holds the request (inside :meth:`request`)."""
+        if not self.released:
+            self.released = True
+            self.queue.platform_abandon(self.task, busy_seconds)
 
     def report_answer(self) -> None:
         """An answer that is not an error of the platform's (anything but a 5xx, a 429, a
@@ -342,6 +373,14 @@ class Worker:
         self._wake = threading.Event()
         self._claim_asked_at = time.monotonic()
         self._session: WorkerSession | None = None
+        # Hand-offs (platform_handoff) start tasks from handler threads: the pool, threads taken
+        # (submitted, handler not yet returned), the tasks handed off not yet seen by the main
+        # loop, and whether a slot came back without a hand-off (the main loop may claim for it).
+        self._pool: ThreadPoolExecutor | None = None
+        self._busy = 0
+        self._handed: list[tuple[Future[_Outcome], TaskContext]] = []
+        self._slot_freed = threading.Event()
+        self._deadline: float | None = None
 
     def stop(self) -> None:
         """Ask the worker to stop claiming. Its handlers go on, their leases kept alive, for up to
@@ -359,13 +398,20 @@ class Worker:
             self.worker_id, self.role, hostname=socket.gethostname(), heartbeat_seconds=self.heartbeat_seconds
         )
         started = time.monotonic()
+        self._deadline = None if self.time_budget_seconds is None else started + self.time_budget_seconds
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="tq-heartbeat", daemon=True)
         heartbeat.start()
         pool = ThreadPoolExecutor(self.concurrency, "tq-handler") if self.concurrency > 1 else None
+        with self._lock:
+            self._pool, self._busy, self._handed = pool, 0, []
         running: dict[Future[_Outcome], TaskContext] = {}
-        # After a short claim, wait for a handler to finish (or a platform's next start) before
-        # asking again.
+        # After a short claim, claim again only once a slot came back without a hand-off (a
+        # task ended holding its slot, or gave it back with no thread free to hand it to), or
+        # SHORT_RETRY_SECONDS passed (other runs' slots, rates refilling, shares changing):
+        # hand-offs keep the slots busy meanwhile, and every empty claim queues on the
+        # platforms' rows with them.
         short = False
+        short_at = 0.0
         idle_since: float | None = None
         # With a pool, claim again once a quarter of the threads are free, not at every finished
         # task: one claim and one completion write per few tasks instead of per task.
@@ -376,7 +422,13 @@ class Worker:
                 budget_left = (
                     self.time_budget_seconds is None or time.monotonic() - started < self.time_budget_seconds
                 )
-                free = self.concurrency - len(running)
+                self._take_handed(running)
+                if short and (
+                    self._slot_freed.is_set() or time.monotonic() - short_at >= SHORT_RETRY_SECONDS
+                ):
+                    short = False
+                with self._lock:
+                    free = self.concurrency - (self._busy if pool is not None else len(running))
                 claimed: list[Task] = []
                 if (
                     budget_left
@@ -385,10 +437,23 @@ class Worker:
                     and not (short and running)
                 ):
                     # With a pool, only as many as there are free threads: a task counts as
-                    # running from its claim, so it must not wait in the pool's queue.
+                    # running from its claim, so it must not wait in the pool's queue. The
+                    # threads are taken before the claim, so that hand-offs meanwhile cannot
+                    # take them too.
                     want = min(self.batch_size if pool is None else free, self.batch_size)
-                    claimed = self._claim(want)
+                    if pool is not None:
+                        with self._lock:
+                            want = min(want, self.concurrency - self._busy)
+                            self._busy += want
+                    self._slot_freed.clear()
+                    try:
+                        claimed = self._claim(want) if want > 0 else []
+                    finally:
+                        if pool is not None:
+                            with self._lock:
+                                self._busy -= want - len(claimed)
                     short = len(claimed) < want
+                    short_at = time.monotonic()
                 if claimed or running:
                     idle_since = None
                 if claimed:
@@ -399,11 +464,12 @@ class Worker:
                     )
                 elif running:
                     # Platforms free up without our handlers finishing (other runs complete,
-                    # rates refill): a short claim is retried within a second.
-                    timeout = min(self.heartbeat_seconds, 1.0) if short else self.heartbeat_seconds
-                    self._wake.wait(timeout)
+                    # rates refill): a short claim is retried within SHORT_RETRY_SECONDS. Tasks
+                    # that completed in their transaction and handed their slot on do not wake
+                    # the loop (nothing waits on them): they are counted at the next wake.
+                    self._wake.wait(min(self.heartbeat_seconds, SHORT_RETRY_SECONDS))
                     self._wake.clear()
-                    short = False
+                    self._take_handed(running)
                     # Whatever else finished meanwhile is recorded in the same write.
                     done = {f for f in running if f.done()}
                     outcomes = [f.result() for f in done]
@@ -453,6 +519,8 @@ class Worker:
         running then is given back (its handler's later writes are fenced off); heartbeats stop
         last, then the worker goes offline."""
         try:
+            # _stop is set: no hand-off adds a task after this.
+            self._take_handed(running)
             if running:
                 finished, left = wait(running, timeout=self.stop_grace_seconds)
                 self._record([f.result() for f in finished])
@@ -468,6 +536,8 @@ class Worker:
                     )
                 running.clear()
         finally:
+            with self._lock:
+                self._pool = None
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
             self._heartbeats_stop.set()
@@ -510,15 +580,17 @@ class Worker:
         # is the database's time at the start of the claim.
         self._claim_asked_at = time.monotonic()
         tasks = self.queue.claim_many(self.role, self.worker_id, want, start=True)
-        self.stats.claims += 1
-        if tasks:
-            if self.stats.first_claim_at is None:
-                self.stats.first_claim_at = time.monotonic()
-            self.stats.claimed += len(tasks)
+        with self._lock:  # hand-offs count their claims from other threads
+            self.stats.claims += 1
+            if tasks:
+                if self.stats.first_claim_at is None:
+                    self.stats.first_claim_at = time.monotonic()
+                self.stats.claimed += len(tasks)
         return tasks
 
-    def _contexts(self, tasks: list[Task]) -> list[TaskContext]:
+    def _contexts(self, tasks: list[Task], claimed_at: float | None = None) -> list[TaskContext]:
         contexts = []
+        hand_off = self._hand_off if self._pool is not None else None
         for t in tasks:
             ctx = TaskContext(
                 t,
@@ -526,25 +598,102 @@ class Worker:
                 self.log,
                 pool=self.queue.pool,
                 services=self.services,
-                claimed_at=self._claim_asked_at,
+                claimed_at=self._claim_asked_at if claimed_at is None else claimed_at,
             )
             if t.send_at is not None:  # the claim reserved its platform's start: a limited platform
-                ctx.permit = PlatformPermit(self.queue, t, ctx.lease_lost, self._wake.set)
+                ctx.permit = PlatformPermit(self.queue, t, ctx.lease_lost, self._slot_given_back, hand_off)
             contexts.append(ctx)
         with self._lock:
             self._in_flight.update((c.task.id, c) for c in contexts)
         return contexts
 
+    def _slot_given_back(self) -> None:
+        """A slot went back without a hand-off: the main loop may claim for it now."""
+        self._slot_freed.set()
+        self._wake.set()
+
     def _submit(
         self, pool: ThreadPoolExecutor, running: dict[Future[_Outcome], TaskContext], tasks: list[Task]
     ) -> list[_Outcome]:
+        # The threads were taken before the claim (_busy).
         for ctx in self._contexts(tasks):
             future = pool.submit(self._run_one, ctx)
-            future.add_done_callback(lambda _: self._wake.set())
+            future.add_done_callback(self._on_done(ctx))
             running[future] = ctx
         return []
 
+    def _on_done(self, ctx: TaskContext) -> Callable[[Future[_Outcome]], None]:
+        """Wake the main loop when a finished task may leave it something to do now: an outcome
+        to write, a thread to claim for, or a slot it gave back with its outcome. A task that
+        completed in its transaction after passing its slot on does not: hand-offs keep its
+        platform busy, and the loop counts it at its next wake."""
+
+        def done(_: Future[_Outcome]) -> None:
+            if not (ctx.completed and ctx.permit is not None and ctx.permit.released):
+                self._wake.set()
+
+        return done
+
+    def _take_handed(self, running: dict[Future[_Outcome], TaskContext]) -> None:
+        """The tasks hand-offs started join the main loop's."""
+        with self._lock:
+            handed, self._handed = self._handed, []
+        running.update(handed)
+
+    def _hand_off(self, task: Task) -> bool:
+        """From a handler thread done with its platform's requests: give the slot back and start
+        the next due task of the platform in a free thread, in one call (``platform_handoff``),
+        so that a freed slot does not wait for the main loop. False, doing nothing, when no
+        thread is free or the worker is stopping or out of time: the slot is then released."""
+        with self._lock:
+            if (
+                self._pool is None
+                or self._stop.is_set()
+                or (self._deadline is not None and time.monotonic() >= self._deadline)
+                or self._busy >= self.concurrency
+            ):
+                return False
+            self._busy += 1  # the next task's thread, taken before it is claimed
+        asked = time.monotonic()
+        try:
+            nxt = self.queue.platform_handoff(task)
+        except BaseException:
+            with self._lock:
+                self._busy -= 1
+            raise
+        if nxt is None:
+            with self._lock:
+                self._busy -= 1
+            return True
+        [ctx] = self._contexts([nxt], claimed_at=asked)
+        if ctx.permit is not None and nxt.send_at is not None and nxt.claimed_at is not None:
+            ctx.permit.first_start = (asked, max(0.0, (nxt.send_at - nxt.claimed_at).total_seconds()))
+        with self._lock:
+            self.stats.claimed += 1
+            if self._stop.is_set() or self._pool is None:
+                # Stopping began during the call: the task goes back untried.
+                self._busy -= 1
+                self._in_flight.pop(nxt.id, None)
+                give_back = True
+            else:
+                give_back = False
+                future = self._pool.submit(self._run_one, ctx)
+                future.add_done_callback(self._on_done(ctx))
+                self._handed.append((future, ctx))
+        if give_back and self.queue.defer(nxt, 0):
+            with self._lock:
+                self.stats.deferred += 1
+        return True
+
     def _run_one(self, ctx: TaskContext) -> _Outcome:
+        try:
+            return self._run_handler(ctx)
+        finally:
+            if self._pool is not None:
+                with self._lock:
+                    self._busy -= 1
+
+    def _run_handler(self, ctx: TaskContext) -> _Outcome:
         began = time.monotonic()
         outcome = _Outcome(ctx, began=began - ctx.claimed_at)
         permit = current_permit.set(ctx.permit)
@@ -613,6 +762,9 @@ class Worker:
             successes = {x: r for x, r in successes.items() if x.task_id in completed}
         self.stats.completed += len(completed)
         self.stats.lost += len(successes) - len(completed)
+        if any(o.ctx.permit is not None and not o.ctx.permit.released for o in outcomes):
+            # These tasks gave their slots back with their outcomes: room for a claim.
+            self._slot_freed.set()
         in_tx = sum(1 for o in outcomes if o.ctx.completed)
         if in_tx:
             self.queue.worker_completed(self.worker_id, in_tx)
