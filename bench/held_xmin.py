@@ -1,7 +1,7 @@
 """Claims and enqueues while a snapshot is held: their server time as dead row versions pile up.
 
     python bench/held_xmin.py [--url URL] [--stores 5000] [--rounds 6] [--churn 10000]
-                              [--without 0015] [--samples 200]
+                              [--before 0015] [--samples 200]
 
 One transaction holds its XID from the start (``BEGIN; SELECT txid_current()``: vacuum can
 reclaim nothing made after it), as an analyst's report or a forgotten session would. Then, for
@@ -12,9 +12,10 @@ each statement its own transaction, leaving their dead versions behind; after ea
 statement, median server time (``pg_stat_statements`` is not needed: the client's time of a
 statement on a local socket, minus nothing; the same for both schemas).
 
-``--without VERSION`` builds a second database with every migration but VERSION and measures
-both in the same run, alternating which goes first per round, so that the two columns share the
-machine's state. The last table gives dead tuples per task moved, per hot table, at the end.
+``--before VERSION`` builds a second database with the migrations before VERSION (the queue as
+it was) and measures both in the same run, alternating which goes first per round, so that the
+two columns share the machine's state. The last table gives dead tuples per task moved, per hot
+table, at the end.
 """
 
 import argparse
@@ -32,7 +33,14 @@ from tq_pipelines.db.migrate import load_migrations, migrate
 
 ROLE = "product_resync"
 WORKER = "bench-held"
-TABLES = ("worker_tasks", "worker_task_heads", "worker_task_stores", "worker_registry", "worker_tallies")
+TABLES = (
+    "worker_tasks",
+    "worker_task_heads",
+    "worker_task_stores",
+    "worker_registry",
+    "worker_tallies",
+    "worker_task_floors",
+)
 CLAIM = "SELECT (c).task.id, (c).lease FROM claim_tasks(%s, %s, %s, true) AS c"
 
 
@@ -106,14 +114,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--churn", type=int, default=10000, help="tasks moved through the queue per round")
     parser.add_argument("--samples", type=int, default=200)
-    parser.add_argument("--without", default="", help="also measure the schema without this migration")
+    parser.add_argument(
+        "--before", default="", help="also measure the schema as it was before this migration"
+    )
     args = parser.parse_args()
 
     urls = {"now": recreate_db(args.url, "tq_bench_held")}
     migrate(urls["now"])
-    if args.without:
-        urls[f"without {args.without}"] = recreate_db(args.url, "tq_bench_held_without")
-        migrate(urls[f"without {args.without}"], [m for m in load_migrations() if m.version != args.without])
+    if args.before:
+        urls[f"before {args.before}"] = recreate_db(args.url, "tq_bench_held_before")
+        migrate(urls[f"before {args.before}"], [m for m in load_migrations() if m.version < args.before])
     for url in urls.values():
         with psycopg.connect(url, autocommit=True) as conn:
             reset_stores(conn, args.stores)
@@ -142,15 +152,15 @@ def main() -> None:
 
     print()
     head = " | ".join(f"{n}: enqueue / claim / complete (ms)" for n in names)
-    ratio = " | claim now / without |" if args.without else " |"
+    ratio = " | claim now / before |" if args.before else " |"
     print(f"| tasks moved under the held snapshot | {head}{ratio}")
-    print("|---:|" + "---|" * len(names) + ("---:|" if args.without else ""))
+    print("|---:|" + "---|" * len(names) + ("---:|" if args.before else ""))
     for moved_at, figures in rows:
         cells = " | ".join(
             f"{figures[n]['enqueue']:.3f} / {figures[n]['claim']:.3f} / {figures[n]['complete']:.3f}"
             for n in names
         )
-        extra = f" {figures['now']['claim'] / figures[names[1]]['claim']:.2f} |" if args.without else ""
+        extra = f" {figures['now']['claim'] / figures[names[1]]['claim']:.2f} |" if args.before else ""
         print(f"| {moved_at:,} | {cells} |{extra}")
     print()
     print("| dead tuples per task moved | " + " | ".join(names) + " |")
