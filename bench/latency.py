@@ -1,6 +1,7 @@
 """Latency of the read views and of one claim: tq_pipelines (0003) against the original 074.
 
     python bench/latency.py [--url URL] [--finished 1000000] [--runs 50] [--claims 2000] [--future 50000]
+                            [--rounds 1] [--skip-074]
 
 Two fresh databases on the server, loaded with the same rows:
 
@@ -22,6 +23,14 @@ due ones in 074's claim order (created a day earlier, same priority, each on its
 tq_pipelines claims with ``claim_tasks`` of 1 and completes with ``complete_task`` under the
 claim's lease token (0013); ``claim_task_074`` hands out no token, so its tasks, on either
 schema, are completed as 074's callers did, by an UPDATE fenced by the worker id.
+
+--rounds N alternates the two phases N times (the claims split evenly; the future tasks deleted
+and the tables vacuumed between rounds), so that a spell of load on a shared machine is less
+likely to fall on one phase only: a ratio of two phases measured once each cannot tell it from a
+cost. Each round's medians go to the log.
+
+--skip-074 leaves out the original database (its load is half the bench's time at 10 M rows);
+the 074 SQL on the 0003 schema still runs in ``tq_bench_latency``.
 """
 
 import argparse
@@ -237,12 +246,20 @@ class Bench:
         return psycopg.connect(self.url, autocommit=True)
 
 
-def setup(server: str) -> tuple[Bench, Bench, Bench]:
+def setup(server: str, with_074: bool = True) -> tuple[Bench, Bench, Bench | None]:
     v2_url = recreate_db(server, DB_V2)
     migrate(v2_url)
-    orig_url = recreate_db(server, DB_074)
-    migrate(orig_url, [m for m in load_migrations() if m.version in ("0001", "0002")])
-    for url, with_trigger in ((v2_url, False), (orig_url, True)):
+    urls = [(v2_url, False)]
+    orig_url = ""
+    if with_074:
+        orig_url = recreate_db(server, DB_074)
+        migrate(orig_url, [m for m in load_migrations() if m.version in ("0001", "0002")])
+        urls.append((orig_url, True))
+    else:
+        # A database of an earlier run would be reported as if measured now.
+        with psycopg.connect(server, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DB_074)))
+    for url, with_trigger in urls:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(original_074(with_trigger=with_trigger))
     v2 = Bench(
@@ -258,11 +275,15 @@ def setup(server: str) -> tuple[Bench, Bench, Bench]:
         "SELECT id, scheduled_for FROM claim_task_074(%(role)s, %(worker_id)s)",
         COMPLETE_074,
     )
-    orig = Bench(
-        "original 074",
-        orig_url,
-        "SELECT id, scheduled_for FROM claim_task_074(%(role)s, %(worker_id)s)",
-        COMPLETE_074,
+    orig = (
+        Bench(
+            "original 074",
+            orig_url,
+            "SELECT id, scheduled_for FROM claim_task_074(%(role)s, %(worker_id)s)",
+            COMPLETE_074,
+        )
+        if with_074
+        else None
     )
     return v2, v2_074, orig
 
@@ -297,6 +318,16 @@ def load_future(url: str, n: int) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(LOAD_STORES, {"first": STORES + 1, "last": STORES + n})
         conn.execute(LOAD_FUTURE, {"n": n, "first_store": STORES + 1})
+        vacuum(conn)
+
+
+def unload_future(url: str) -> None:
+    """Removes what load_future added, so that the next round measures without it again."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DELETE FROM worker_tasks WHERE dispensary_id > %s", (STORES,))
+        if conn.execute("SELECT to_regclass('worker_task_stores')").fetchone()[0]:  # type: ignore[index]
+            conn.execute("DELETE FROM worker_task_stores WHERE dispensary_id > %s", (STORES,))
+        conn.execute("DELETE FROM dispensaries WHERE id > %s", (STORES,))
         vacuum(conn)
 
 
@@ -416,14 +447,25 @@ def main() -> None:
         help="timed claims per phase of claim_task_074 on the 0003 schema (0: skip)",
     )
     parser.add_argument("--future", type=int, default=50_000, help="future tasks added for phase two")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate the phases without and with future tasks this many times, the claims "
+        "split evenly (a spell of a shared machine's load is then less likely to fall on one only)",
+    )
+    parser.add_argument(
+        "--skip-074", action="store_true", help="no original 074 database (its columns read 'not run')"
+    )
     args = parser.parse_args()
 
     with psycopg.connect(args.url) as conn:
         version = conn.execute("SHOW server_version").fetchone()[0]  # type: ignore[index]
     machine = f"nproc {os.cpu_count()}, PostgreSQL {version}"
-    log(f"{machine}; creating {DB_V2} and {DB_074}")
-    v2, v2_074, orig = setup(args.url)
-    for bench in (v2, orig):
+    log(f"{machine}; creating {DB_V2}" + ("" if args.skip_074 else f" and {DB_074}"))
+    v2, v2_074, orig = setup(args.url, with_074=not args.skip_074)
+    loaded = [b for b in (v2, orig) if b is not None]
+    for bench in loaded:
         counts = f"{args.finished:,} finished + {args.pending:,} pending + {args.running} running"
         log(f"loading {counts}: {bench.label}")
         load_base(bench.url, args.finished, args.pending, args.running)
@@ -441,6 +483,8 @@ def main() -> None:
             ("original 074", orig, old_query),
             ("074 SQL on the 0003 schema", v2, old_query),
         ):
+            if bench is None:
+                continue
             runs = args.slow_runs if key == "capacity" and label != "tq_pipelines" else args.runs
             log(f"{query}: {label}, {runs} runs")
             with bench.connect() as conn:
@@ -448,25 +492,42 @@ def main() -> None:
                 line = explain(conn, query)
             plans.append(f"- {label}, `{query}`: {line}")
 
-    # Part 2: claims, without and then with tomorrow's tasks ahead of the due ones.
+    # Part 2: claims, without and then with tomorrow's tasks ahead of the due ones, --rounds times.
     warmup = 50
     n_0003 = args.claims_074_on_0003
-    per_phase = args.claims + warmup + (n_0003 + warmup if n_0003 else 0)
+    rounds = args.rounds
+    per_phase = args.claims + rounds * warmup + (n_0003 + rounds * warmup if n_0003 else 0)
     # Stores with a running product_resync task never free up; their tasks are never claimable.
     claimable = int(2 * per_phase * 1.25) + 1000
-    for bench in (v2, orig):
+    for bench in loaded:
         log(f"loading {claimable:,} due {ROLE} tasks: {bench.label}")
         load_claimable(bench.url, claimable)
     claims: dict[tuple[str, str], tuple[Timing, Timing]] = {}
-    for phase in ("without", "with"):
-        if phase == "with":
-            for bench in (v2, orig):
-                log(f"loading {args.future:,} future {ROLE} tasks: {bench.label}")
-                load_future(bench.url, args.future)
-        for bench, n in ((v2, args.claims), (orig, args.claims), (v2_074, n_0003)):
-            if n:
-                log(f"claim + complete x{n} ({phase} future tasks): {bench.label}")
-                claims[(phase, bench.label)] = claim_loop(bench, n, warmup)
+    future_loaded = False
+    for r in range(rounds):
+        for phase in ("without", "with"):
+            if (phase == "with") != future_loaded:
+                for bench in loaded:
+                    if future_loaded:
+                        log(f"removing the future {ROLE} tasks: {bench.label}")
+                        unload_future(bench.url)
+                    else:
+                        log(f"loading {args.future:,} future {ROLE} tasks: {bench.label}")
+                        load_future(bench.url, args.future)
+                future_loaded = not future_loaded
+            for bench, total in ((v2, args.claims), (orig, args.claims), (v2_074, n_0003)):
+                # This round's share of the phase's claims.
+                n = total // rounds + (1 if r < total % rounds else 0)
+                if bench is None or not n:
+                    continue
+                log(f"claim + complete x{n} ({phase} future tasks, round {r + 1} of {rounds}): {bench.label}")
+                both, claim = claim_loop(bench, n, warmup)
+                log(f"  medians: claim {fmt(claim.median)} ms, claim + complete {fmt(both.median)} ms")
+                if (phase, bench.label) in claims:
+                    before_both, before_claim = claims[(phase, bench.label)]
+                    both = Timing(before_both.samples + both.samples)
+                    claim = Timing(before_claim.samples + claim.samples)
+                claims[(phase, bench.label)] = (both, claim)
 
     def claim_cell(phase: str, label: str, which: int = 0) -> str:
         found = claims.get((phase, label))
@@ -488,7 +549,7 @@ def main() -> None:
     print("|---|---:|---:|---|")
     for key, (new_query, _) in view_queries.items():
         print(
-            f"| `{new_query}`, median / p95 | {results[(key, 'original 074')]} "
+            f"| `{new_query}`, median / p95 | {results.get((key, 'original 074'), 'not run')} "
             f"| {results[(key, 'tq_pipelines')]} | {targets[key]} |"
         )
     for phase, title in (("without", "no future tasks"), ("with", f"{future} future tasks ahead")):
