@@ -93,7 +93,8 @@ END;
 $$ LANGUAGE plpgsql STABLE;
 
 ------------------------------------------------------------------------------------------------
--- The claim: 0015's, within the worker's share of each platform.
+-- The claim: 0013's, raising its role's floors (0015) first and walking the heads from them,
+-- within the worker's share of each platform.
 ------------------------------------------------------------------------------------------------
 
 CREATE OR REPLACE FUNCTION claim_tasks(
@@ -519,7 +520,8 @@ COMMENT ON FUNCTION platform_abandon(INTEGER, UUID, DOUBLE PRECISION) IS
   'The client gave up on the task''s request: its slot stays taken for p_busy_seconds, whatever becomes of the task';
 
 ------------------------------------------------------------------------------------------------
--- What reads the room: holds count as tasks in flight.
+-- What reads the room: holds count as tasks in flight, and the heads are looked at from the
+-- floors (0015).
 ------------------------------------------------------------------------------------------------
 
 CREATE OR REPLACE FUNCTION claim_wait(p_role VARCHAR) RETURNS DOUBLE PRECISION AS $$
