@@ -17,6 +17,9 @@ without that change; later migrations must not need it) and runs every case on b
 on a machine whose speed drifts; the rows are the medians, and a last column gives now /
 without. The tasks' platform has no limits: this is the bare queue.
 
+``--before VERSION`` compares against the queue as it was before VERSION (the migrations before
+it), for a change whose later migrations need it.
+
 ``--without 0013`` (lease tokens) compares against the worker-id API that 0013 replaced: on the
 schema without it, the same TaskQueue and Worker code runs through :class:`WorkerIdQueue`, which
 sends each statement in its 0012 form (the worker id instead of the tasks' lease tokens).
@@ -277,8 +280,11 @@ def main() -> None:
     parser.add_argument(
         "--without", default="", help="also measure the schema without this migration version"
     )
+    parser.add_argument("--before", default="", help="or: the schema as it was before this migration version")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each case per schema (medians)")
     args = parser.parse_args()
+    if args.without and args.before:
+        parser.error("--without and --before: one of them")
 
     tps = run_pgbench(args.url, args.pgbench_seconds)
     print(f"pgbench single-row UPDATE, 16 clients: {tps:,.0f} TPS\n")
@@ -289,10 +295,14 @@ def main() -> None:
         migrate(
             schemas[f"without {args.without}"], [m for m in load_migrations() if m.version != args.without]
         )
-    compare = " now / without |" if args.without else ""
+    elif args.before:
+        schemas[f"before {args.before}"] = recreate_db(args.url, BENCH_DB + "_without")
+        migrate(schemas[f"before {args.before}"], [m for m in load_migrations() if m.version < args.before])
+    compared = bool(args.without or args.before)
+    compare = (" now / without |" if args.without else " now / before |") if compared else ""
     header = "| schema | layout | mode | workers | tasks | claim calls | seconds | tasks/s | x pgbench TPS |"
     print(header + compare)
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.without else ""))
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if compared else ""))
     for layout in args.layouts.split(","):
         for mode in args.modes.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
@@ -315,9 +325,7 @@ def main() -> None:
                     claims = int(statistics.median(c for c, _ in r))
                     seconds = statistics.median(sec for _, sec in r)
                     rate = rates[schema]
-                    ratio = (
-                        f" {rates['now'] / rate:.2f} |" if schema != "now" else (" |" if args.without else "")
-                    )
+                    ratio = f" {rates['now'] / rate:.2f} |" if schema != "now" else (" |" if compared else "")
                     print(
                         f"| {schema} | {layout} | {label} | {workers} | {args.tasks} | {claims} "
                         f"| {seconds:.2f} | {rate:,.0f} | {rate / tps:.2f} |{ratio}",
