@@ -95,7 +95,6 @@ DECLARE
   v_loose INTEGER[];
   v_skip INTEGER[] := '{}';
   v_claimed INTEGER;
-  v_floors TIMESTAMPTZ[];
 BEGIN
   PERFORM tq_require_worker(p_worker_id);
   IF p_max_tasks IS NULL OR p_max_tasks NOT BETWEEN 1 AND 1000 THEN
@@ -103,16 +102,16 @@ BEGIN
       'A claim takes 1 to 1000 tasks at once.');
   END IF;
 
-  PERFORM tq_raise_floors(p_role);
-
   -- The platforms with pending work of this role ('' for none): one probe of the heads per
-  -- platform that ever had any, from its floor, and a skip scan of the store-less tasks.
+  -- floor (a platform and priority in use), from the floor, and a skip scan of the store-less
+  -- tasks.
   WITH RECURSIVE heads (platform) AS (
     SELECT f.platform
     FROM worker_task_floors f
     WHERE f.role = p_role
       AND EXISTS (SELECT 1 FROM worker_task_heads h
-                  WHERE h.role = p_role AND h.platform = f.platform AND h.due_at >= f.floor)
+                  WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
+                    AND h.due_at >= f.floor)
   ),
   loose (platform) AS (
     (SELECT coalesce(t.platform, '') FROM worker_tasks t
@@ -133,6 +132,7 @@ BEGIN
 
   IF v_work IS NULL THEN
     PERFORM tq_require_role(p_role);
+    PERFORM tq_raise_floors(p_role);  -- no row held here: nothing for a writer to wait on
     RETURN;
   END IF;
 
@@ -145,6 +145,10 @@ BEGIN
   WHERE l.platform = ANY (v_work)
   ORDER BY l.platform
   FOR UPDATE;
+
+  -- Floors raised with the platforms' rows held: a writer waiting for a floor's lock holds no
+  -- row this claim waits for.
+  PERFORM tq_raise_floors(p_role);
 
   -- Heads that a task not yet due at their last derivation may now overtake.
   SELECT array_agg(r.dispensary_id)
@@ -170,35 +174,41 @@ BEGIN
     SELECT
       array_agg(w.platform),
       array_agg(CASE WHEN l.platform IS NULL THEN p_max_tasks
-                   ELSE least(tq_platform_quota(l), tq_worker_room(l, p_role, p_worker_id)) END),
-      array_agg(coalesce(f.floor, '-infinity'))
-    INTO v_platforms, v_quotas, v_floors
+                   ELSE least(tq_platform_quota(l), tq_worker_room(l, p_role, p_worker_id)) END)
+    INTO v_platforms, v_quotas
     FROM unnest(v_work) AS w (platform)
-    LEFT JOIN tq_platforms l ON l.platform = w.platform
-    LEFT JOIN worker_task_floors f ON f.role = p_role AND f.platform = w.platform;
+    LEFT JOIN tq_platforms l ON l.platform = w.platform;
 
-    -- Per platform with room, its best idle stores with due work (from the heads) and its best
-    -- store-less tasks; then the platforms take turns: every platform's first, then every
-    -- platform's second, ... Locking the store row serialises the claims of one store.
+    -- Per platform with room, its best idle stores with due work (from the heads, each
+    -- priority in use from its floor) and its best store-less tasks; then the platforms take
+    -- turns: every platform's first, then every platform's second, ... Locking the store row
+    -- serialises the claims of one store.
     WITH room AS (
-      SELECT r.platform, least(r.quota, v_want) AS quota, r.floor
-      FROM unnest(v_platforms, v_quotas, v_floors) AS r (platform, quota, floor)
+      SELECT r.platform, least(r.quota, v_want) AS quota
+      FROM unnest(v_platforms, v_quotas) AS r (platform, quota)
       WHERE r.quota > 0
     ),
     by_store AS (
       SELECT c.*
       FROM room r
       CROSS JOIN LATERAL (
+        SELECT x.priority, min(x.floor) AS floor
+        FROM worker_task_floors x
+        WHERE x.role = p_role AND x.platform = r.platform
+        GROUP BY x.priority
+      ) f
+      CROSS JOIN LATERAL (
         SELECT h.priority, h.due_at, h.dispensary_id, NULL::INTEGER AS task_id, h.platform
         FROM worker_task_heads h
         JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
         WHERE h.role = p_role
           AND h.platform = r.platform
-          AND h.due_at >= r.floor  -- checked in the index: dead heads below it cost no visit
+          AND h.priority = f.priority
+          AND h.due_at >= f.floor  -- the scan starts here: dead heads below it cost no visit
           AND h.due_at <= now()
           AND s.active_task_id IS NULL
           AND h.dispensary_id <> ALL (v_skip)
-        ORDER BY h.priority DESC, h.due_at, h.dispensary_id
+        ORDER BY h.due_at, h.dispensary_id
         LIMIT r.quota
         FOR UPDATE OF s SKIP LOCKED
       ) c
@@ -222,7 +232,7 @@ BEGIN
     turns AS (
       SELECT
         b.*,
-        row_number() OVER (PARTITION BY b.platform ORDER BY b.priority DESC, b.due_at) AS turn
+        row_number() OVER (PARTITION BY b.platform ORDER BY b.priority DESC, b.due_at, b.dispensary_id) AS turn
       FROM (SELECT * FROM by_store UNION ALL SELECT * FROM loose) b
     ),
     best AS (
@@ -359,7 +369,7 @@ CREATE FUNCTION public.claim_wait(p_role character varying) RETURNS double preci
       AND EXISTS (SELECT 1
                   FROM worker_task_heads h
                   JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
-                  WHERE h.role = p_role AND h.platform = f.platform
+                  WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
                     AND h.due_at >= f.floor AND h.due_at <= now() AND s.active_task_id IS NULL)
     UNION
     SELECT DISTINCT coalesce(t.platform, '')
@@ -2205,6 +2215,7 @@ DECLARE
   l tq_platforms;
   v_store_task INTEGER;
   v_store_key RECORD;
+  v_floor RECORD;
   v_loose RECORD;
   v_id INTEGER;
   v_token UUID := gen_random_uuid();
@@ -2214,18 +2225,30 @@ BEGIN
     RETURN;
   END IF;
 
-  SELECT h.priority, h.due_at, h.dispensary_id INTO v_store_key
-  FROM worker_task_heads h
-  JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
-  WHERE h.role = p_role
-    AND h.platform = p_platform
-    AND h.due_at >= coalesce((SELECT f.floor FROM worker_task_floors f
-                              WHERE f.role = p_role AND f.platform = p_platform), '-infinity')
-    AND h.due_at <= now()
-    AND s.active_task_id IS NULL
-  ORDER BY h.priority DESC, h.due_at, h.dispensary_id
-  LIMIT 1
-  FOR UPDATE OF s SKIP LOCKED;
+  -- The best idle store: the priorities in use from the highest, each from its floor.
+  SELECT NULL::INTEGER AS priority, NULL::TIMESTAMPTZ AS due_at, NULL::INTEGER AS dispensary_id
+  INTO v_store_key;
+  FOR v_floor IN
+    SELECT f.priority, min(f.floor) AS floor
+    FROM worker_task_floors f
+    WHERE f.role = p_role AND f.platform = p_platform
+    GROUP BY f.priority
+    ORDER BY f.priority DESC
+  LOOP
+    SELECT h.priority, h.due_at, h.dispensary_id INTO v_store_key
+    FROM worker_task_heads h
+    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+    WHERE h.role = p_role
+      AND h.platform = p_platform
+      AND h.priority = v_floor.priority
+      AND h.due_at >= v_floor.floor
+      AND h.due_at <= now()
+      AND s.active_task_id IS NULL
+    ORDER BY h.due_at, h.dispensary_id
+    LIMIT 1
+    FOR UPDATE OF s SKIP LOCKED;
+    EXIT WHEN FOUND;
+  END LOOP;
 
   SELECT t.id, t.priority, t.due_at INTO v_loose
   FROM worker_tasks t
@@ -2297,6 +2320,17 @@ BEGIN
       AND w.last_heartbeat_at > now() - make_interval(secs => greatest(2.5 * coalesce(w.heartbeat_seconds, 30), 10))
   )))::INTEGER;
 END;
+$$;
+
+
+--
+-- Name: tq_floor_lock_key(character varying, character varying, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_floor_lock_key(p_role character varying, p_platform character varying, p_priority integer) RETURNS integer
+    LANGUAGE sql IMMUTABLE
+    AS $$
+  SELECT hashtext(p_role || '/' || p_platform || '/' || p_priority::TEXT);
 $$;
 
 
@@ -2651,24 +2685,28 @@ $$;
 
 
 --
--- Name: tq_lower_floor(character varying, character varying, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+-- Name: tq_lower_floor(character varying, character varying, integer, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.tq_lower_floor(p_role character varying, p_platform character varying, p_due timestamp with time zone) RETURNS boolean
+CREATE FUNCTION public.tq_lower_floor(p_role character varying, p_platform character varying, p_priority integer, p_due timestamp with time zone) RETURNS boolean
     LANGUAGE plpgsql
     AS $$
 BEGIN
-  PERFORM 1
-  FROM worker_task_floors f
-  WHERE f.role = p_role AND f.platform = p_platform AND f.floor <= p_due;
-  IF FOUND OR p_due IS NULL THEN
+  IF p_due IS NULL THEN
     RETURN false;
   END IF;
-  INSERT INTO worker_task_floors AS f (role, platform, floor)
-  VALUES (p_role, p_platform, p_due)
-  ON CONFLICT (role, platform) DO UPDATE
-  SET floor = excluded.floor
-  WHERE excluded.floor < f.floor;
+  IF current_setting('transaction_isolation') = 'read committed'
+     AND pg_try_advisory_xact_lock_shared(hashtext('worker_task_floors'),
+                                          tq_floor_lock_key(p_role, p_platform, p_priority)) THEN
+    PERFORM 1
+    FROM worker_task_floors f
+    WHERE f.role = p_role AND f.platform = p_platform AND f.priority = p_priority AND f.floor <= p_due;
+    IF FOUND THEN
+      RETURN false;
+    END IF;
+  END IF;
+  INSERT INTO worker_task_floors (role, platform, priority, floor)
+  VALUES (p_role, p_platform, p_priority, p_due);
   RETURN true;
 END;
 $$;
@@ -2924,33 +2962,43 @@ CREATE FUNCTION public.tq_raise_floors(p_role character varying) RETURNS void
     AS $$
 DECLARE
   f RECORD;
+  v_rows TID[];
+  v_floor TIMESTAMPTZ;
   v_min TIMESTAMPTZ;
 BEGIN
+  -- With an older snapshot than the statement's, a raise could miss a committed head.
+  IF current_setting('transaction_isolation') <> 'read committed' THEN
+    RETURN;
+  END IF;
   FOR f IN
-    SELECT x.platform
+    SELECT DISTINCT x.platform, x.priority
     FROM worker_task_floors x
     WHERE x.role = p_role AND x.raised_at < now() - INTERVAL '1 second'
-    ORDER BY x.platform
-    FOR NO KEY UPDATE SKIP LOCKED
+    ORDER BY x.platform, x.priority
   LOOP
-    WITH RECURSIVE firsts (priority, due_at) AS (
-      (SELECT h.priority, h.due_at FROM worker_task_heads h
-       WHERE h.role = p_role AND h.platform = f.platform
-       ORDER BY h.priority DESC, h.due_at LIMIT 1)
-      UNION ALL
-      SELECT n.priority, n.due_at
-      FROM firsts p
-      CROSS JOIN LATERAL (
-        SELECT h.priority, h.due_at FROM worker_task_heads h
-        WHERE h.role = p_role AND h.platform = f.platform AND h.priority < p.priority
-        ORDER BY h.priority DESC, h.due_at LIMIT 1
-      ) n
-    )
-    SELECT min(x.due_at) INTO v_min FROM firsts x;
-    UPDATE worker_task_floors x
-    SET floor = least(coalesce(v_min, 'infinity'), now() - INTERVAL '1 second'),
-        raised_at = now()
-    WHERE x.role = p_role AND x.platform = f.platform;
+    CONTINUE WHEN NOT pg_try_advisory_xact_lock(hashtext('worker_task_floors'),
+                                                tq_floor_lock_key(p_role, f.platform, f.priority));
+    SELECT array_agg(x.ctid ORDER BY x.floor), min(x.floor) INTO v_rows, v_floor
+    FROM worker_task_floors x
+    WHERE x.role = p_role AND x.platform = f.platform AND x.priority = f.priority;
+    CONTINUE WHEN v_rows IS NULL;
+    SELECT h.due_at INTO v_min
+    FROM worker_task_heads h
+    WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
+      AND h.due_at >= v_floor
+    ORDER BY h.due_at
+    LIMIT 1;
+    IF NOT FOUND THEN
+      DELETE FROM worker_task_floors x WHERE x.ctid = ANY (v_rows);
+    ELSE
+      UPDATE worker_task_floors x
+      SET floor = least(v_min, now() - INTERVAL '1 second'),
+          raised_at = now()
+      WHERE x.ctid = v_rows[1];
+      IF cardinality(v_rows) > 1 THEN
+        DELETE FROM worker_task_floors x WHERE x.ctid = ANY (v_rows[2:]);
+      END IF;
+    END IF;
   END LOOP;
 END;
 $$;
@@ -2998,7 +3046,7 @@ BEGIN
       platform = excluded.platform
   WHERE (h.priority, h.due_at, h.recheck_at, h.platform)
     IS DISTINCT FROM (excluded.priority, excluded.due_at, excluded.recheck_at, excluded.platform);
-  PERFORM tq_lower_floor(p_role, v_platform, v_due);
+  PERFORM tq_lower_floor(p_role, v_platform, v_priority, v_due);
 END;
 $$;
 
@@ -3080,12 +3128,15 @@ BEGIN
         platform = excluded.platform
     WHERE (h.priority, h.due_at, h.recheck_at, h.platform)
       IS DISTINCT FROM (excluded.priority, excluded.due_at, excluded.recheck_at, excluded.platform)
-    RETURNING h.role, h.platform, h.due_at
+    RETURNING h.role, h.platform, h.priority, h.due_at
   )
-  -- No head below its floor: one call per platform written, which reads unless it must lower.
+  -- No head below its floor: one call per floor written, which reads unless it must lower.
   SELECT count(*) INTO v_lowered
-  FROM (SELECT w.role, w.platform, min(w.due_at) AS due FROM written w GROUP BY w.role, w.platform) m
-  WHERE tq_lower_floor(m.role, m.platform, m.due);
+  FROM (SELECT w.role, w.platform, w.priority, min(w.due_at) AS due
+        FROM written w
+        GROUP BY w.role, w.platform, w.priority
+        ORDER BY w.role, w.platform, w.priority) m
+  WHERE tq_lower_floor(m.role, m.platform, m.priority, m.due);
 END;
 $$;
 
@@ -4945,7 +4996,8 @@ CREATE TABLE public.worker_task_floors (
     role character varying(50) NOT NULL,
     platform character varying(50) NOT NULL,
     floor timestamp with time zone NOT NULL,
-    raised_at timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL
+    raised_at timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL,
+    priority integer NOT NULL
 )
 WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='100', autovacuum_vacuum_cost_delay='0');
 
@@ -4954,7 +5006,7 @@ WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_thr
 -- Name: TABLE worker_task_floors; Type: COMMENT; Schema: public; Owner: -
 --
 
-COMMENT ON TABLE public.worker_task_floors IS 'Per role and platform: no live head comes due before floor, where claims begin their walk (kept by triggers and claims)';
+COMMENT ON TABLE public.worker_task_floors IS 'Per role, platform and priority with pending work: no live head comes due before the least floor of its rows, where claims begin their walk (kept by triggers and claims)';
 
 
 --
@@ -5279,14 +5331,6 @@ ALTER TABLE ONLY public.worker_registry
 
 
 --
--- Name: worker_task_floors worker_task_floors_pkey; Type: CONSTRAINT; Schema: public; Owner: -
---
-
-ALTER TABLE ONLY public.worker_task_floors
-    ADD CONSTRAINT worker_task_floors_pkey PRIMARY KEY (role, platform);
-
-
---
 -- Name: worker_task_heads worker_task_heads_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -5337,6 +5381,13 @@ CREATE INDEX idx_product_history_store ON public.product_history USING btree (di
 --
 
 CREATE INDEX idx_worker_registry_role ON public.worker_registry USING btree (role, status);
+
+
+--
+-- Name: idx_worker_task_floors; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX idx_worker_task_floors ON public.worker_task_floors USING btree (role, platform, priority, floor);
 
 
 --

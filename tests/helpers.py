@@ -73,12 +73,15 @@ def assert_store_state_consistent(conn: psycopg.Connection) -> None:
         """
     ).fetchall()
     assert wrong_heads == [], f"heads disagree with the pending tasks: {wrong_heads}"
-    # No head below its platform's claim floor (0015), where a claim would not look for it.
+    # No head below its claim floor (its role, platform and priority's: 0017), where a claim
+    # would not look for it.
     below = conn.execute(
         """
-        SELECT h.role, h.platform, h.dispensary_id, h.due_at, f.floor
+        SELECT h.role, h.platform, h.priority, h.dispensary_id, h.due_at, f.floor
         FROM worker_task_heads h
-        LEFT JOIN worker_task_floors f ON f.role = h.role AND f.platform = h.platform
+        LEFT JOIN (SELECT role, platform, priority, min(floor) AS floor
+                   FROM worker_task_floors GROUP BY role, platform, priority) f
+          ON f.role = h.role AND f.platform = h.platform AND f.priority = h.priority
         WHERE f.floor IS NULL OR h.due_at < f.floor
         """
     ).fetchall()

@@ -3,11 +3,12 @@ heartbeat, so that completions never update its registry row; v_workers is exact
 under many workers completing and heartbeating at once."""
 
 import threading
+import time
 
 import psycopg
 import pytest
 
-from tests.helpers import add_stores
+from tests.helpers import add_stores, assert_store_state_consistent
 from tq_pipelines.queue.api import TaskQueue
 
 ROLE = "product_resync"
@@ -139,10 +140,12 @@ def test_counts_are_exact_under_concurrent_completions_and_folds(
     assert seen == table
 
 
-def floor_of(conn: psycopg.Connection, platform: str = "dutchie"):
-    return conn.execute(
-        "SELECT floor FROM worker_task_floors WHERE role = %s AND platform = %s", (ROLE, platform)
-    ).fetchone()[0]
+def floor_of(conn: psycopg.Connection, platform: str = "dutchie", priority: int = 0):
+    row = conn.execute(
+        "SELECT min(floor) FROM worker_task_floors WHERE role = %s AND platform = %s AND priority = %s",
+        (ROLE, platform, priority),
+    ).fetchone()
+    return row[0]
 
 
 def test_a_head_due_before_the_floor_lowers_it_and_is_claimed_first(
@@ -163,23 +166,114 @@ def test_a_head_due_before_the_floor_lowers_it_and_is_claimed_first(
     assert [t.dispensary_id for t in queue.claim_many(ROLE, "w1", 2)] == [c, b]
 
 
-def test_a_head_committed_after_a_raise_is_claimed_a_moment_later(db_url: str, conn: psycopg.Connection):
-    """The one way a head ends below its floor: its transaction checked the floor, then a claim
-    raised it (not seeing the uncommitted head), then it committed. The next raise, a second
-    later, lowers the floor to it again: late, never lost."""
+def test_each_priority_has_its_floor_and_an_empty_one_goes(conn: psycopg.Connection, queue: TaskQueue):
+    """Floors are kept per priority (0017): the claim order stays priority first, and the floor
+    of a priority with no pending work is deleted by the next raise."""
+    low, high, later = add_stores(conn, 3)
+    an_hour_ago = conn.execute("SELECT now() - interval '1 hour'").fetchone()[0]
+    conn.execute("SELECT enqueue_task(%s, %s, NULL, -5, %s)", (ROLE, low, an_hour_ago))
+    queue.enqueue(ROLE, high, priority=5)
+    queue.enqueue(ROLE, later, priority=5)
+    assert floor_of(conn, priority=-5) == an_hour_ago
+    assert floor_of(conn, priority=5) is not None
+    assert [t.dispensary_id for t in queue.claim_many(ROLE, "w1", 3)] == [high, later, low]
+    conn.execute("SELECT pg_sleep(1.1)")
+    assert queue.claim_many(ROLE, "w1", 3) == []  # raises: no live head of either priority
+    assert conn.execute("SELECT count(*) FROM worker_task_floors WHERE role = %s", (ROLE,)).fetchone() == (0,)
+    # The next head of a priority writes its floor again.
+    (again,) = add_stores(conn, 1)
+    conn.execute("SELECT enqueue_task(%s, %s, NULL, -5, %s)", (ROLE, again, an_hour_ago))
+    assert floor_of(conn, priority=-5) == an_hour_ago
+    assert [t.dispensary_id for t in queue.claim_many(ROLE, "w1", 3)] == [again]
+
+
+def test_no_raise_passes_a_head_its_writer_has_not_committed(db_url: str, conn: psycopg.Connection):
+    """A head's writer holds its floor's lock from its check to its commit: a claim meanwhile
+    leaves that floor where it is (and does not wait), so the head is claimable the moment it
+    commits."""
     (store,) = add_stores(conn, 1)
     with TaskQueue.connect(db_url, max_size=2) as queue, psycopg.connect(db_url) as slow:
         queue.enqueue(ROLE, add_stores(conn, 1)[0])
         assert len(queue.claim_many(ROLE, "w1", 5)) == 1  # the floor row exists and was raised
         slow.execute("SELECT enqueue_task(%s, %s)", (ROLE, store))  # due at the start of its transaction
         conn.execute("SELECT pg_sleep(1.2)")
-        assert queue.claim_many(ROLE, "w1", 5) == []  # raises past the uncommitted head
+        before = floor_of(conn)
+        assert queue.claim_many(ROLE, "w1", 5) == []  # the raise skips the floor being written
+        assert floor_of(conn) == before
         slow.commit()
         due = conn.execute("SELECT due_at FROM worker_tasks WHERE dispensary_id = %s", (store,)).fetchone()[0]
-        assert due < floor_of(conn), "the race this test is about did not happen"
-        claimed = []
-        for _ in range(40):
-            if claimed := queue.claim_many(ROLE, "w1", 5):
-                break
-            conn.execute("SELECT pg_sleep(0.1)")
-        assert [t.dispensary_id for t in claimed] == [store]
+        assert floor_of(conn) <= due
+        assert [t.dispensary_id for t in queue.claim_many(ROLE, "w1", 5)] == [store]
+
+
+def test_a_head_written_during_a_raise_adds_a_floor_row_of_its_own(db_url: str, conn: psycopg.Connection):
+    """The other order: a claim raised the floor and has not committed; a head written below it
+    does not wait for that claim: it adds a floor row at its due time, which the raise, not
+    having read it, leaves alone."""
+    a, b = add_stores(conn, 2)
+    with TaskQueue.connect(db_url, max_size=2) as queue, psycopg.connect(db_url) as claim:
+        queue.enqueue(ROLE, a)
+        claim.execute("SELECT pg_sleep(1.1)")
+        claim.commit()
+        claim.execute("SELECT claim_tasks(%s, 'w1', 5)", (ROLE,))  # raises, holds the floor's lock
+        raised = floor_of(claim)
+        old = conn.execute("SELECT now() - interval '1 hour'").fetchone()[0]
+        with psycopg.connect(db_url, autocommit=True) as w:
+            w.execute("SET statement_timeout = '5s'")  # it must not wait for the claim
+            w.execute("SELECT enqueue_task(%s, %s, NULL, 0, %s)", (ROLE, b, old))
+        claim.commit()
+        assert floor_of(conn) == old < raised
+        assert conn.execute("SELECT count(*) FROM worker_task_floors").fetchone() == (2,)
+        assert [t.dispensary_id for t in queue.claim_many(ROLE, "w1", 5)] == [b]
+
+
+def test_heads_written_during_raises_are_never_stranded(db_url: str, conn: psycopg.Connection):
+    """Writers enqueue tasks due in the past, at three priorities, in transactions that stay open
+    a while, as claimers raise floors: every task is claimed, once, and no head is ever below
+    its floor."""
+    stores = add_stores(conn, 240)
+    errors: list[BaseException] = []
+    claimed: list[int] = []
+    done = threading.Event()
+
+    def write(chunk: list[int]) -> None:
+        try:
+            with psycopg.connect(db_url) as w:
+                for i, store in enumerate(chunk):
+                    w.execute(
+                        "SELECT enqueue_task(%s, %s, NULL, %s, now() - make_interval(secs => %s))",
+                        (ROLE, store, (-1, 0, 3)[i % 3], (i * 7) % 50),
+                    )
+                    if i % 4 == 3:
+                        w.execute("SELECT pg_sleep(0.3)")
+                        w.commit()
+                w.commit()
+        except BaseException as e:
+            errors.append(e)
+
+    def claim(n: int) -> None:
+        try:
+            with TaskQueue.connect(db_url, min_size=1, max_size=1) as q:
+                while not done.is_set():
+                    held = q.claim_many(ROLE, f"w{n}", 7)
+                    claimed.extend(t.id for t in held)
+                    if not held:
+                        done.wait(0.05)
+        except BaseException as e:
+            errors.append(e)
+
+    writers = [threading.Thread(target=write, args=(stores[i::6],)) for i in range(6)]
+    claimers = [threading.Thread(target=claim, args=(n,)) for n in range(3)]
+    for t in [*writers, *claimers]:
+        t.start()
+    for t in writers:
+        t.join(60)
+    deadline = time.monotonic() + 15
+    while len(claimed) < len(stores) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    done.set()
+    for t in claimers:
+        t.join(30)
+    assert not errors, errors
+    assert len(claimed) == len(set(claimed)) == len(stores)
+    assert_store_state_consistent(conn)

@@ -78,9 +78,10 @@ INVOKER_FUNCTIONS = {
     "tq_rollup_hour",
     # a worker's tallies into its registry row, under heartbeat_tasks and prune_workers (0015)
     "tq_fold_tallies",
-    # the claim floors, under the heads' triggers and claim_tasks (0015)
+    # the claim floors, under the heads' triggers and claim_tasks (0015, per priority 0017)
     "tq_lower_floor",
     "tq_raise_floors",
+    "tq_floor_lock_key",
     # the admin's: `tq grant` and the end of every migration (0010), and the queue's objects
     # they act on (the registries tq_relations and tq_api)
     "tq_queue_relations",
