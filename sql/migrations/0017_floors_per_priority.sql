@@ -319,7 +319,7 @@ BEGIN
 
   IF v_work IS NULL THEN
     PERFORM tq_require_role(p_role);
-    PERFORM tq_raise_floors(p_role);  -- no row held here: nothing for a writer to wait on
+    PERFORM tq_raise_floors(p_role);  -- an idle role's floors rise (and go) too
     RETURN;
   END IF;
 
@@ -333,8 +333,8 @@ BEGIN
   ORDER BY l.platform
   FOR UPDATE;
 
-  -- Floors raised with the platforms' rows held: a writer waiting for a floor's lock holds no
-  -- row this claim waits for.
+  -- The role's floors raised, for the scans below (and the next claim's look for work). Nothing
+  -- waits here, nor for this: a floor being written is skipped, and its writers add rows.
   PERFORM tq_raise_floors(p_role);
 
   -- Heads that a task not yet due at their last derivation may now overtake.
