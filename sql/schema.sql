@@ -2685,6 +2685,24 @@ $$;
 
 
 --
+-- Name: tq_lower_floor(character varying, character varying, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_lower_floor(p_role character varying, p_platform character varying, p_due timestamp with time zone) RETURNS boolean
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  INSERT INTO worker_task_floors (role, platform, priority, floor)
+  SELECT p_role, p_platform, h.priority, p_due
+  FROM (SELECT DISTINCT x.priority FROM worker_task_heads x
+        WHERE x.role = p_role AND x.platform = p_platform) h
+  WHERE p_due IS NOT NULL;
+  RETURN p_due IS NOT NULL;
+END;
+$$;
+
+
+--
 -- Name: tq_lower_floor(character varying, character varying, integer, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -2964,6 +2982,8 @@ DECLARE
   f RECORD;
   v_rows TID[];
   v_floor TIMESTAMPTZ;
+  v_swept TIMESTAMPTZ;
+  v_sweep BOOLEAN;
   v_min TIMESTAMPTZ;
 BEGIN
   -- With an older snapshot than the statement's, a raise could miss a committed head.
@@ -2978,22 +2998,25 @@ BEGIN
   LOOP
     CONTINUE WHEN NOT pg_try_advisory_xact_lock(hashtext('worker_task_floors'),
                                                 tq_floor_lock_key(p_role, f.platform, f.priority));
-    SELECT array_agg(x.ctid ORDER BY x.floor), min(x.floor) INTO v_rows, v_floor
+    SELECT array_agg(x.ctid ORDER BY x.floor), min(x.floor), max(x.swept_at)
+    INTO v_rows, v_floor, v_swept
     FROM worker_task_floors x
     WHERE x.role = p_role AND x.platform = f.platform AND x.priority = f.priority;
     CONTINUE WHEN v_rows IS NULL;
+    v_sweep := v_swept < now() - INTERVAL '1 minute';
     SELECT h.due_at INTO v_min
     FROM worker_task_heads h
     WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
-      AND h.due_at >= v_floor
+      AND h.due_at >= CASE WHEN v_sweep THEN '-infinity' ELSE v_floor END
     ORDER BY h.due_at
     LIMIT 1;
-    IF NOT FOUND THEN
+    IF NOT FOUND AND v_sweep THEN
       DELETE FROM worker_task_floors x WHERE x.ctid = ANY (v_rows);
     ELSE
       UPDATE worker_task_floors x
-      SET floor = least(v_min, now() - INTERVAL '1 second'),
-          raised_at = now()
+      SET floor = least(coalesce(v_min, 'infinity'), now() - INTERVAL '1 second'),
+          raised_at = now(),
+          swept_at = CASE WHEN v_sweep THEN now() ELSE v_swept END
       WHERE x.ctid = v_rows[1];
       IF cardinality(v_rows) > 1 THEN
         DELETE FROM worker_task_floors x WHERE x.ctid = ANY (v_rows[2:]);
@@ -4997,7 +5020,8 @@ CREATE TABLE public.worker_task_floors (
     platform character varying(50) NOT NULL,
     floor timestamp with time zone NOT NULL,
     raised_at timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL,
-    priority integer NOT NULL
+    priority integer NOT NULL,
+    swept_at timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL
 )
 WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='100', autovacuum_vacuum_cost_delay='0');
 
@@ -5007,6 +5031,13 @@ WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_thr
 --
 
 COMMENT ON TABLE public.worker_task_floors IS 'Per role, platform and priority with pending work: no live head comes due before the least floor of its rows, where claims begin their walk (kept by triggers and claims)';
+
+
+--
+-- Name: COLUMN worker_task_floors.swept_at; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.worker_task_floors.swept_at IS 'When a raise last looked for the earliest live head from the start of the index rather than from the floor';
 
 
 --

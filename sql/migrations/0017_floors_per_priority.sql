@@ -18,8 +18,9 @@
 -- shared advisory lock on it from that check to its commit; a claim raises only floors whose
 -- lock it gets at once, exclusively. A writer that cannot have the lock at once, or must lower
 -- the floor, adds a row of its own (a floor is the least of its rows) and a raise touches only
--- the rows it read: no one waits on a floor, so no order of writes can deadlock there. A floor
--- with no live head is deleted: the claims probe only the priorities in use.
+-- the rows it read: no one waits on a floor, so no order of writes can deadlock there. Once a
+-- minute a raise looks from the start of the index instead, a net under all this; a floor with
+-- no live head then is deleted, so the claims probe only the priorities in use.
 --
 -- Safe to run twice.
 
@@ -27,16 +28,36 @@
 -- The floors, keyed by priority.
 ------------------------------------------------------------------------------------------------
 
+-- Rebuilt from the heads, their writers kept out meanwhile. Claims write floors then heads and
+-- head writers the other way round, so the two locks are taken together or not at all (NOWAIT,
+-- retried for up to a minute): a migration under traffic neither deadlocks with it nor makes
+-- it wait behind a lock queue.
+DO $$
+BEGIN
+  FOR attempt IN 1..1200 LOOP
+    BEGIN
+      LOCK TABLE worker_task_heads IN SHARE MODE NOWAIT;
+      LOCK TABLE worker_task_floors IN ACCESS EXCLUSIVE MODE NOWAIT;
+      RETURN;
+    EXCEPTION WHEN lock_not_available THEN
+      PERFORM pg_sleep(0.05);  -- the failed attempt's locks went with its subtransaction
+    END;
+  END LOOP;
+  RAISE EXCEPTION 'worker_task_heads and worker_task_floors stayed locked for a minute'
+    USING HINT = 'Run tq migrate again at a quieter moment.';
+END;
+$$;
+
 -- A floor may have several rows: its value is their least. A writer that must lower a floor adds
 -- a row of its own rather than update one, so that writers never wait for each other (nor for a
 -- claim) here, whatever order their statements lower floors in.
 ALTER TABLE worker_task_floors ADD COLUMN IF NOT EXISTS priority INTEGER;
+ALTER TABLE worker_task_floors ADD COLUMN IF NOT EXISTS swept_at TIMESTAMPTZ NOT NULL DEFAULT '-infinity';
 COMMENT ON TABLE worker_task_floors IS
   'Per role, platform and priority with pending work: no live head comes due before the least floor of its rows, where claims begin their walk (kept by triggers and claims)';
+COMMENT ON COLUMN worker_task_floors.swept_at IS
+  'When a raise last looked for the earliest live head from the start of the index rather than from the floor';
 
--- Rebuilt from the heads, their writers kept out meanwhile.
-LOCK TABLE worker_task_heads IN SHARE MODE;
-LOCK TABLE worker_task_floors IN ACCESS EXCLUSIVE MODE;
 DELETE FROM worker_task_floors WHERE priority IS NULL;
 ALTER TABLE worker_task_floors ALTER COLUMN priority SET NOT NULL;
 ALTER TABLE worker_task_floors DROP CONSTRAINT IF EXISTS worker_task_floors_pkey;
@@ -83,18 +104,35 @@ BEGIN
 END;
 $$ LANGUAGE plpgsql;
 
-DROP FUNCTION IF EXISTS tq_lower_floor(VARCHAR, VARCHAR, TIMESTAMPTZ);
+-- 0015's signature, for a head writer whose call began before this migration committed (it
+-- runs 0015's body, which knows no priority): a row at its due time under every priority in use
+-- on the platform. Nothing of 0017 calls it.
+CREATE OR REPLACE FUNCTION tq_lower_floor(p_role VARCHAR, p_platform VARCHAR, p_due TIMESTAMPTZ)
+RETURNS BOOLEAN AS $$
+BEGIN
+  INSERT INTO worker_task_floors (role, platform, priority, floor)
+  SELECT p_role, p_platform, h.priority, p_due
+  FROM (SELECT DISTINCT x.priority FROM worker_task_heads x
+        WHERE x.role = p_role AND x.platform = p_platform) h
+  WHERE p_due IS NOT NULL;
+  RETURN p_due IS NOT NULL;
+END;
+$$ LANGUAGE plpgsql;
 
 -- The role's floors not raised in the last second whose lock is free (no writer between its
 -- check and its commit), each to its earliest live head, read from the floor itself (one index
--- probe), capped at a second before now, in one row; a floor with no live head is deleted.
--- Only the rows read before the heads are touched: a row added since belongs to a head this
--- raise may not have seen.
+-- probe), capped at a second before now, in one row. Only the rows read before the heads are
+-- touched: a row added since belongs to a head this raise may not have seen. Once a minute a
+-- floor's earliest head is looked for from the start of the index instead (a walk over the
+-- dead heads, where a snapshot pins them): should a head ever be below its floor, by a way not
+-- foreseen here, it is claimed within the minute; and a floor with no live head then is deleted.
 CREATE OR REPLACE FUNCTION tq_raise_floors(p_role VARCHAR) RETURNS VOID AS $$
 DECLARE
   f RECORD;
   v_rows TID[];
   v_floor TIMESTAMPTZ;
+  v_swept TIMESTAMPTZ;
+  v_sweep BOOLEAN;
   v_min TIMESTAMPTZ;
 BEGIN
   -- With an older snapshot than the statement's, a raise could miss a committed head.
@@ -109,22 +147,25 @@ BEGIN
   LOOP
     CONTINUE WHEN NOT pg_try_advisory_xact_lock(hashtext('worker_task_floors'),
                                                 tq_floor_lock_key(p_role, f.platform, f.priority));
-    SELECT array_agg(x.ctid ORDER BY x.floor), min(x.floor) INTO v_rows, v_floor
+    SELECT array_agg(x.ctid ORDER BY x.floor), min(x.floor), max(x.swept_at)
+    INTO v_rows, v_floor, v_swept
     FROM worker_task_floors x
     WHERE x.role = p_role AND x.platform = f.platform AND x.priority = f.priority;
     CONTINUE WHEN v_rows IS NULL;
+    v_sweep := v_swept < now() - INTERVAL '1 minute';
     SELECT h.due_at INTO v_min
     FROM worker_task_heads h
     WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
-      AND h.due_at >= v_floor
+      AND h.due_at >= CASE WHEN v_sweep THEN '-infinity' ELSE v_floor END
     ORDER BY h.due_at
     LIMIT 1;
-    IF NOT FOUND THEN
+    IF NOT FOUND AND v_sweep THEN
       DELETE FROM worker_task_floors x WHERE x.ctid = ANY (v_rows);
     ELSE
       UPDATE worker_task_floors x
-      SET floor = least(v_min, now() - INTERVAL '1 second'),
-          raised_at = now()
+      SET floor = least(coalesce(v_min, 'infinity'), now() - INTERVAL '1 second'),
+          raised_at = now(),
+          swept_at = CASE WHEN v_sweep THEN now() ELSE v_swept END
       WHERE x.ctid = v_rows[1];
       IF cardinality(v_rows) > 1 THEN
         DELETE FROM worker_task_floors x WHERE x.ctid = ANY (v_rows[2:]);

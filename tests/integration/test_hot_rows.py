@@ -140,6 +140,12 @@ def test_counts_are_exact_under_concurrent_completions_and_folds(
     assert seen == table
 
 
+# As if a minute had passed since every floor was raised and swept.
+MINUTE_LATER = (
+    "UPDATE worker_task_floors SET raised_at = '-infinity', swept_at = now() - interval '2 minutes'"
+)
+
+
 def floor_of(conn: psycopg.Connection, platform: str = "dutchie", priority: int = 0):
     row = conn.execute(
         "SELECT min(floor) FROM worker_task_floors WHERE role = %s AND platform = %s AND priority = %s",
@@ -168,7 +174,7 @@ def test_a_head_due_before_the_floor_lowers_it_and_is_claimed_first(
 
 def test_each_priority_has_its_floor_and_an_empty_one_goes(conn: psycopg.Connection, queue: TaskQueue):
     """Floors are kept per priority (0017): the claim order stays priority first, and the floor
-    of a priority with no pending work is deleted by the next raise."""
+    of a priority with no pending work is deleted by the raise that sweeps it (once a minute)."""
     low, high, later = add_stores(conn, 3)
     an_hour_ago = conn.execute("SELECT now() - interval '1 hour'").fetchone()[0]
     conn.execute("SELECT enqueue_task(%s, %s, NULL, -5, %s)", (ROLE, low, an_hour_ago))
@@ -179,12 +185,36 @@ def test_each_priority_has_its_floor_and_an_empty_one_goes(conn: psycopg.Connect
     assert [t.dispensary_id for t in queue.claim_many(ROLE, "w1", 3)] == [high, later, low]
     conn.execute("SELECT pg_sleep(1.1)")
     assert queue.claim_many(ROLE, "w1", 3) == []  # raises: no live head of either priority
+    assert conn.execute("SELECT count(*) FROM worker_task_floors WHERE role = %s", (ROLE,)).fetchone() == (2,)
+    conn.execute(MINUTE_LATER)
+    assert queue.claim_many(ROLE, "w1", 3) == []  # sweeps: still none
     assert conn.execute("SELECT count(*) FROM worker_task_floors WHERE role = %s", (ROLE,)).fetchone() == (0,)
     # The next head of a priority writes its floor again.
     (again,) = add_stores(conn, 1)
     conn.execute("SELECT enqueue_task(%s, %s, NULL, -5, %s)", (ROLE, again, an_hour_ago))
     assert floor_of(conn, priority=-5) == an_hour_ago
     assert [t.dispensary_id for t in queue.claim_many(ROLE, "w1", 3)] == [again]
+
+
+def test_a_sweep_finds_a_head_below_its_floor(conn: psycopg.Connection, queue: TaskQueue):
+    """The net under the floors: should a head ever be below its floor, the raise that looks from
+    the start of the index (once a minute per floor) lowers the floor to it."""
+    a, b = add_stores(conn, 2)
+    queue.enqueue(ROLE, a)
+    conn.execute("SELECT enqueue_task(%s, %s, NULL, 0, now() - interval '1 hour')", (ROLE, b))
+    # What no path of the queue does: the floor moved past a live head.
+    conn.execute(
+        "UPDATE worker_task_floors SET raised_at = now(), swept_at = now(), "
+        "floor = (SELECT due_at FROM worker_tasks WHERE dispensary_id = %s)",
+        (a,),
+    )
+    assert [t.dispensary_id for t in queue.claim_many(ROLE, "w1", 5)] == [a]  # b is not seen
+    assert queue.claim_many(ROLE, "w1", 5) == []
+    conn.execute(MINUTE_LATER)
+    # The claim that sweeps finds no work from the floor it had; the next one takes b.
+    claimed = queue.claim_many(ROLE, "w1", 5) or queue.claim_many(ROLE, "w1", 5)
+    assert [t.dispensary_id for t in claimed] == [b]
+    assert_store_state_consistent(conn)
 
 
 def test_no_raise_passes_a_head_its_writer_has_not_committed(db_url: str, conn: psycopg.Connection):
