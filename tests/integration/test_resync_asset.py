@@ -22,6 +22,13 @@ ROLE = "product_resync"
 TODAY = datetime.now(UTC).date()
 
 
+@pytest.fixture(autouse=True)
+def _today() -> None:
+    """Today as of each test's start, not of the module's import: a suite may run past midnight."""
+    global TODAY  # noqa: PLW0603 - the tests read it as a constant
+    TODAY = datetime.now(UTC).date()
+
+
 @pytest.fixture
 def instance() -> Iterator[dg.DagsterInstance]:
     with dg.instance_for_test() as inst:
