@@ -84,6 +84,7 @@ CREATE FUNCTION public.claim_tasks(p_role character varying, p_worker_id charact
     LANGUAGE plpgsql SECURITY DEFINER
     SET plan_cache_mode TO 'force_generic_plan'
     SET search_path TO 'public', 'pg_temp'
+    SET enable_bitmapscan TO 'off'
     AS $$
 DECLARE
   v_want INTEGER := p_max_tasks;
@@ -361,6 +362,7 @@ COMMENT ON FUNCTION public.claim_tasks(p_role character varying, p_worker_id cha
 CREATE FUNCTION public.claim_wait(p_role character varying) RETURNS double precision
     LANGUAGE sql STABLE SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
+    SET enable_bitmapscan TO 'off'
     AS $$
   WITH due AS (
     SELECT f.platform
@@ -2210,6 +2212,7 @@ $$;
 
 CREATE FUNCTION public.tq_claim_next(p_role character varying, p_worker_id character varying, p_platform character varying) RETURNS TABLE(task public.worker_tasks, lease uuid)
     LANGUAGE plpgsql
+    SET enable_bitmapscan TO 'off'
     AS $$
 DECLARE
   l tq_platforms;
@@ -2709,19 +2712,26 @@ $$;
 CREATE FUNCTION public.tq_lower_floor(p_role character varying, p_platform character varying, p_priority integer, p_due timestamp with time zone) RETURNS boolean
     LANGUAGE plpgsql
     AS $$
+DECLARE
+  v_key INTEGER;
 BEGIN
   IF p_due IS NULL THEN
     RETURN false;
   END IF;
-  IF current_setting('transaction_isolation') = 'read committed'
-     AND pg_try_advisory_xact_lock_shared(hashtext('worker_task_floors'),
-                                          tq_floor_lock_key(p_role, p_platform, p_priority)) THEN
-    PERFORM 1
-    FROM worker_task_floors f
-    WHERE f.role = p_role AND f.platform = p_platform AND f.priority = p_priority AND f.floor <= p_due;
-    IF FOUND THEN
-      RETURN false;
-    END IF;
+  IF current_setting('transaction_isolation') = 'read committed' THEN
+    v_key := tq_floor_lock_key(p_role, p_platform, p_priority);
+    FOR attempt IN 1..20 LOOP
+      IF pg_try_advisory_xact_lock_shared(hashtext('worker_task_floors'), v_key) THEN
+        PERFORM 1
+        FROM worker_task_floors f
+        WHERE f.role = p_role AND f.platform = p_platform AND f.priority = p_priority AND f.floor <= p_due;
+        IF FOUND THEN
+          RETURN false;
+        END IF;
+        EXIT;
+      END IF;
+      PERFORM pg_sleep(0.001);
+    END LOOP;
   END IF;
   INSERT INTO worker_task_floors (role, platform, priority, floor)
   VALUES (p_role, p_platform, p_priority, p_due);
@@ -2977,6 +2987,7 @@ $$;
 
 CREATE FUNCTION public.tq_raise_floors(p_role character varying) RETURNS void
     LANGUAGE plpgsql
+    SET enable_bitmapscan TO 'off'
     AS $$
 DECLARE
   f RECORD;
@@ -5366,7 +5377,7 @@ ALTER TABLE ONLY public.worker_registry
 --
 
 ALTER TABLE ONLY public.worker_task_heads
-    ADD CONSTRAINT worker_task_heads_pkey PRIMARY KEY (role, dispensary_id);
+    ADD CONSTRAINT worker_task_heads_pkey PRIMARY KEY (dispensary_id, role);
 
 
 --
@@ -5415,10 +5426,10 @@ CREATE INDEX idx_worker_registry_role ON public.worker_registry USING btree (rol
 
 
 --
--- Name: idx_worker_task_floors; Type: INDEX; Schema: public; Owner: -
+-- Name: idx_worker_task_floors_key; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX idx_worker_task_floors ON public.worker_task_floors USING btree (role, platform, priority, floor);
+CREATE INDEX idx_worker_task_floors_key ON public.worker_task_floors USING btree (role, platform, priority);
 
 
 --

@@ -140,6 +140,27 @@ def test_counts_are_exact_under_concurrent_completions_and_folds(
     assert seen == table
 
 
+def test_a_scan_of_a_roles_heads_has_one_index_to_take(conn: psycopg.Connection):
+    """0018. Under a held snapshot a role's heads are a few live rows among every head deleted
+    since, and ANALYZE sees only the live ones: any index led by role looks as cheap as the
+    positioned one, and a generic plan that took it walked every dead head (the held-snapshot
+    stalls of docs/BENCHMARKS.md). The only index led by role is the positioned one (and the
+    recheck index, partial on recheck_at); the primary key leads with the store."""
+    rows = conn.execute(
+        """
+        SELECT c.relname, a.attname, i.indpred IS NOT NULL
+        FROM pg_index i
+        JOIN pg_class c ON c.oid = i.indexrelid
+        JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+        WHERE i.indrelid = 'worker_task_heads'::regclass
+        ORDER BY c.relname
+        """
+    ).fetchall()
+    led_by_role = {name: partial for name, first, partial in rows if first == "role"}
+    assert led_by_role == {"idx_worker_task_heads_platform": False, "idx_worker_task_heads_recheck": True}
+    assert ("worker_task_heads_pkey", "dispensary_id", False) in rows
+
+
 # As if a minute had passed since every floor was raised and swept.
 MINUTE_LATER = (
     "UPDATE worker_task_floors SET raised_at = '-infinity', swept_at = now() - interval '2 minutes'"
@@ -196,6 +217,24 @@ def test_each_priority_has_its_floor_and_an_empty_one_goes(conn: psycopg.Connect
     assert [t.dispensary_id for t in queue.claim_many(ROLE, "w1", 3)] == [again]
 
 
+def test_a_raise_is_a_hot_update(db_url: str, conn: psycopg.Connection, queue: TaskQueue):
+    """0018: the floor's value is not indexed, so a raise rewrites its row within its page; under
+    a held snapshot its versions then cost a read of the floor no index entry each."""
+    a, b = add_stores(conn, 2)
+    queue.enqueue(ROLE, a)
+    queue.claim_many(ROLE, "w1", 1)
+    queue.enqueue(ROLE, b)
+    conn.execute(MINUTE_LATER)
+    before = floor_of(conn)
+    with psycopg.connect(db_url) as c:
+        assert [r[0] for r in c.execute("SELECT (claim_tasks(%s, 'w1', 5)).task.dispensary_id", (ROLE,))] == [b]
+        updates, hot = c.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = 'worker_task_floors'"
+        ).fetchone()
+    assert floor_of(conn) > before
+    assert updates == hot == 1
+
+
 def test_a_sweep_finds_a_head_below_its_floor(conn: psycopg.Connection, queue: TaskQueue):
     """The net under the floors: should a head ever be below its floor, the raise that looks from
     the start of the index (once a minute per floor) lowers the floor to it."""
@@ -238,8 +277,8 @@ def test_no_raise_passes_a_head_its_writer_has_not_committed(db_url: str, conn: 
 
 def test_a_head_written_during_a_raise_adds_a_floor_row_of_its_own(db_url: str, conn: psycopg.Connection):
     """The other order: a claim raised the floor and has not committed; a head written below it
-    does not wait for that claim: it adds a floor row at its due time, which the raise, not
-    having read it, leaves alone."""
+    waits for that claim no more than 20 ms (0018): it adds a floor row at its due time, which
+    the raise, not having read it, leaves alone."""
     a, b = add_stores(conn, 2)
     with TaskQueue.connect(db_url, max_size=2) as queue, psycopg.connect(db_url) as claim:
         queue.enqueue(ROLE, a)
@@ -249,7 +288,7 @@ def test_a_head_written_during_a_raise_adds_a_floor_row_of_its_own(db_url: str, 
         raised = floor_of(claim)
         old = conn.execute("SELECT now() - interval '1 hour'").fetchone()[0]
         with psycopg.connect(db_url, autocommit=True) as w:
-            w.execute("SET statement_timeout = '5s'")  # it must not wait for the claim
+            w.execute("SET statement_timeout = '5s'")  # it must not wait for the claim's commit
             w.execute("SELECT enqueue_task(%s, %s, NULL, 0, %s)", (ROLE, b, old))
         claim.commit()
         assert floor_of(conn) == old < raised
