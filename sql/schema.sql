@@ -84,7 +84,7 @@ CREATE FUNCTION public.claim_tasks(p_role character varying, p_worker_id charact
     LANGUAGE plpgsql SECURITY DEFINER
     SET plan_cache_mode TO 'force_generic_plan'
     SET search_path TO 'public', 'pg_temp'
-    SET enable_bitmapscan TO 'off'
+    SET enable_seqscan TO 'off'
     AS $$
 DECLARE
   v_want INTEGER := p_max_tasks;
@@ -362,7 +362,7 @@ COMMENT ON FUNCTION public.claim_tasks(p_role character varying, p_worker_id cha
 CREATE FUNCTION public.claim_wait(p_role character varying) RETURNS double precision
     LANGUAGE sql STABLE SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
-    SET enable_bitmapscan TO 'off'
+    SET enable_seqscan TO 'off'
     AS $$
   WITH due AS (
     SELECT f.platform
@@ -1811,47 +1811,57 @@ CREATE FUNCTION public.release_dead_workers(p_worker_ids character varying[]) RE
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
+DECLARE
+  v_dead VARCHAR[];
 BEGIN
   IF p_worker_ids IS NULL OR cardinality(p_worker_ids) > 1000 THEN
     PERFORM tq_refuse('release_dead_workers', 'worker_ids', coalesce(cardinality(p_worker_ids)::TEXT, 'NULL'),
       'must list at most 1000 workers',
       'The ids of workers believed dead (drain runs Dagster marked failed), in batches of up to 1000.');
   END IF;
-  WITH dead AS (
-    SELECT w.id, w.worker_id
-    FROM worker_registry w
-    WHERE w.worker_id = ANY(p_worker_ids)
-      AND w.status <> 'offline'
-      AND tq_session_alive(w) IS false
-  ),
-  released AS (
-    UPDATE worker_tasks t
-    SET status = CASE WHEN t.retry_count < t.max_retries THEN 'pending' ELSE 'failed' END,
-        retry_count = t.retry_count + CASE WHEN t.retry_count < t.max_retries THEN 1 ELSE 0 END,
-        error_message = format('worker %s is gone (its session ended)', t.worker_id),
-        worker_id = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.worker_id END,
-        claimed_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.claimed_at END,
-        started_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.started_at END,
-        last_heartbeat_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.last_heartbeat_at END,
-        completed_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE now() END
-    FROM dead d
-    WHERE t.worker_id = d.worker_id
-      AND t.status IN ('claimed', 'running')
-    RETURNING t.status
-  ),
-  gone AS (
+  -- Offline first: the registry rows stay locked to the commit, so a second caller finds
+  -- them offline and releases nothing twice.
+  WITH gone AS (
     UPDATE worker_registry w
     SET status = 'offline'
-    FROM dead d
-    WHERE w.id = d.id
+    WHERE w.worker_id = ANY (p_worker_ids)
       AND w.status <> 'offline'
-    RETURNING w.id
+      AND tq_session_alive(w) IS false
+    RETURNING w.worker_id
   )
-  SELECT
-    (SELECT count(*)::INTEGER FROM dead),
-    (SELECT count(*)::INTEGER FROM released r WHERE r.status = 'pending'),
-    (SELECT count(*)::INTEGER FROM released r WHERE r.status = 'failed')
-  INTO workers, recovered, failed;
+  SELECT array_agg(g.worker_id) INTO v_dead FROM gone g;
+  workers := coalesce(cardinality(v_dead), 0);
+  recovered := 0;
+  failed := 0;
+  IF workers > 0 THEN
+    WITH active AS (
+      -- One branch per partial index over active tasks: the history is not read.
+      SELECT t.id FROM worker_tasks t
+      WHERE t.status IN ('claimed', 'running') AND t.dispensary_id IS NOT NULL AND t.worker_id = ANY (v_dead)
+      UNION ALL
+      SELECT t.id FROM worker_tasks t
+      WHERE t.status IN ('claimed', 'running') AND t.dispensary_id IS NULL AND t.worker_id = ANY (v_dead)
+    ),
+    released AS (
+      UPDATE worker_tasks t
+      SET status = CASE WHEN t.retry_count < t.max_retries THEN 'pending' ELSE 'failed' END,
+          retry_count = t.retry_count + CASE WHEN t.retry_count < t.max_retries THEN 1 ELSE 0 END,
+          error_message = format('worker %s is gone (its session ended)', t.worker_id),
+          worker_id = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.worker_id END,
+          claimed_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.claimed_at END,
+          started_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.started_at END,
+          last_heartbeat_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE t.last_heartbeat_at END,
+          completed_at = CASE WHEN t.retry_count < t.max_retries THEN NULL ELSE now() END
+      FROM active a
+      WHERE t.id = a.id
+        AND t.status IN ('claimed', 'running')
+      RETURNING t.status
+    )
+    SELECT count(*) FILTER (WHERE r.status = 'pending')::INTEGER,
+           count(*) FILTER (WHERE r.status = 'failed')::INTEGER
+    INTO recovered, failed
+    FROM released r;
+  END IF;
   RETURN NEXT;
 END;
 $$;
@@ -2212,7 +2222,7 @@ $$;
 
 CREATE FUNCTION public.tq_claim_next(p_role character varying, p_worker_id character varying, p_platform character varying) RETURNS TABLE(task public.worker_tasks, lease uuid)
     LANGUAGE plpgsql
-    SET enable_bitmapscan TO 'off'
+    SET enable_seqscan TO 'off'
     AS $$
 DECLARE
   l tq_platforms;
@@ -2987,7 +2997,7 @@ $$;
 
 CREATE FUNCTION public.tq_raise_floors(p_role character varying) RETURNS void
     LANGUAGE plpgsql
-    SET enable_bitmapscan TO 'off'
+    SET enable_seqscan TO 'off'
     AS $$
 DECLARE
   f RECORD;
@@ -3073,7 +3083,7 @@ BEGIN
     AND t.due_at > greatest(now(), v_due) AND t.priority > v_priority;
   INSERT INTO worker_task_heads AS h (role, dispensary_id, priority, due_at, recheck_at, platform)
   VALUES (p_role, p_store, v_priority, v_due, v_recheck, v_platform)
-  ON CONFLICT (role, dispensary_id) DO UPDATE
+  ON CONFLICT (dispensary_id, (role || '')) DO UPDATE
   SET priority = excluded.priority,
       due_at = excluded.due_at,
       recheck_at = excluded.recheck_at,
@@ -3155,7 +3165,7 @@ BEGIN
     FROM fresh f
     WHERE f.priority IS NOT NULL
     ORDER BY f.dispensary_id, f.role
-    ON CONFLICT (role, dispensary_id) DO UPDATE
+    ON CONFLICT (dispensary_id, (role || '')) DO UPDATE
     SET priority = excluded.priority,
         due_at = excluded.due_at,
         recheck_at = excluded.recheck_at,
@@ -5373,14 +5383,6 @@ ALTER TABLE ONLY public.worker_registry
 
 
 --
--- Name: worker_task_heads worker_task_heads_pkey; Type: CONSTRAINT; Schema: public; Owner: -
---
-
-ALTER TABLE ONLY public.worker_task_heads
-    ADD CONSTRAINT worker_task_heads_pkey PRIMARY KEY (dispensary_id, role);
-
-
---
 -- Name: worker_task_roles worker_task_roles_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -5521,6 +5523,20 @@ CREATE INDEX idx_worker_tasks_store_pending ON public.worker_tasks USING btree (
 --
 
 CREATE UNIQUE INDEX idx_worker_tasks_unique_active_store ON public.worker_tasks USING btree (dispensary_id) WHERE (((status)::text = ANY ((ARRAY['claimed'::character varying, 'running'::character varying])::text[])) AND (dispensary_id IS NOT NULL));
+
+
+--
+-- Name: worker_task_heads_store_role; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE UNIQUE INDEX worker_task_heads_store_role ON public.worker_task_heads USING btree (dispensary_id, (((role)::text || ''::text)));
+
+
+--
+-- Name: INDEX worker_task_heads_store_role; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON INDEX public.worker_task_heads_store_role IS 'One head per store and role; on an expression of role, so that no condition on role can use it (a scan of a role''s heads has idx_worker_task_heads_platform alone)';
 
 
 --

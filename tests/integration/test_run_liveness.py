@@ -3,6 +3,7 @@ connection ended with it, and the server knows (the session lock of migration 00
 still say STARTED (a pod gone without a word): the sensor does not count such a run against its
 role's cap, gives its tasks back, and the role gets a new run. Nothing here ages a heartbeat."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -145,3 +146,51 @@ def test_a_live_worker_named_as_dead_keeps_its_tasks(db_url: str, conn: psycopg.
         # whatever it left is its leases' to give back.
         _wait_for(lambda: queue.worker_liveness(["live"])["live"]["session_alive"] is False)
         assert queue.release_dead_workers(["live"]).workers_offline == 0
+
+
+def test_a_dead_worker_is_released_from_its_active_tasks_alone(db_url: str, conn: psycopg.Connection):
+    """0018: the sensor names every drain run's worker each tick; with none dead, nothing of
+    worker_tasks is read (the statement before it scanned the whole table, history and all, on
+    every call); a dead one's active tasks go back, once."""
+    stores = add_stores(conn, 4)
+    add_tasks(conn, ROLE, stores, 1)
+    with TaskQueue.connect(db_url) as queue:
+        done = queue.claim_many(ROLE, "other", 2, start=True)
+        queue.complete_many({t.lease: None for t in done})  # history
+        session = queue.open_session("doomed", ROLE, heartbeat_seconds=30)
+        held = queue.claim_many(ROLE, "doomed", 2, start=True)
+        assert len(held) == 2
+        conn.execute("UPDATE worker_tasks SET retry_count = max_retries WHERE id = %s", (held[1].id,))
+
+        conn.execute(
+            "INSERT INTO worker_tasks (role, dispensary_id, status, completed_at)"
+            " SELECT %s, s, 'completed', now() FROM unnest(%s::int[]) s, generate_series(1, 500)",
+            (ROLE, stores),
+        )
+        conn.execute("ANALYZE worker_tasks")
+
+        def seq_scans_of_release(worker_ids: list[str]) -> tuple[tuple, int]:
+            with psycopg.connect(db_url) as c:
+                for _ in range(6):  # as a sensor's connection: past the custom plans, the generic one
+                    c.execute("SELECT * FROM release_dead_workers(%s)", (["nobody"],))
+                c.commit()
+                report = c.execute("SELECT * FROM release_dead_workers(%s)", (worker_ids,)).fetchone()
+                (scans,) = c.execute(
+                    "SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = 'worker_tasks'"
+                ).fetchone()
+            return report, scans
+
+        assert seq_scans_of_release(["doomed", "other"]) == ((0, 0, 0), 0)
+        conn.execute(
+            "SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN worker_registry w ON l.objid = w.id::OID"
+            " WHERE l.locktype = 'advisory' AND l.classid = 7471 AND l.objsubid = 2"
+            " AND w.worker_id = 'doomed'"
+        )
+        _wait_for(lambda: queue.worker_liveness(["doomed"])["doomed"]["session_alive"] is False)
+        assert seq_scans_of_release(["doomed", "other"])[0] == (1, 1, 1)
+        assert seq_scans_of_release(["doomed"]) == ((0, 0, 0), 0)  # released once
+        assert conn.execute(
+            "SELECT id, status FROM worker_tasks WHERE id = ANY(%s) ORDER BY id", ([t.id for t in held],)
+        ).fetchall() == sorted([(held[0].id, "pending"), (held[1].id, "failed")])
+        with contextlib.suppress(psycopg.Error):
+            session.close()  # its connection was the one terminated
