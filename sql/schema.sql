@@ -1221,6 +1221,7 @@ DECLARE
   v_platform VARCHAR;
   v_send_at TIMESTAMPTZ;
   l tq_platforms;
+  v_now TIMESTAMPTZ;
   v_base TIMESTAMPTZ;
   v_decision TEXT := 'go';
 BEGIN
@@ -1234,15 +1235,19 @@ BEGIN
     RETURN;
   END IF;
 
-  IF coalesce(p_first, true) THEN
-    SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_platform;
-  ELSE
-    SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_platform FOR UPDATE;
-  END IF;
+  SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_platform;
   IF NOT FOUND THEN
     RETURN QUERY SELECT 'go'::TEXT, 0::DOUBLE PRECISION;
     RETURN;
   END IF;
+  -- The start the claim reserved, if still good; else the next one, under the row's lock.
+  IF NOT coalesce(p_first, true)
+     OR v_send_at IS NULL
+     OR v_send_at < now() - make_interval(secs => tq_platform_grace(l.burst, l.requests_per_second)) THEN
+    v_send_at := NULL;
+    SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_platform FOR UPDATE;
+  END IF;
+
   IF l.paused_until > now() THEN
     RETURN QUERY SELECT 'paused'::TEXT, extract(EPOCH FROM l.paused_until - now())::DOUBLE PRECISION;
     RETURN;
@@ -1259,19 +1264,20 @@ BEGIN
     END IF;
   END IF;
 
-  IF coalesce(p_first, true) AND v_send_at IS NOT NULL THEN
+  IF v_send_at IS NOT NULL THEN
     RETURN QUERY SELECT v_decision, greatest(extract(EPOCH FROM v_send_at - now()), 0)::DOUBLE PRECISION;
     RETURN;
   END IF;
 
-  -- A further request (or a task claimed before its platform had limits): the next start.
-  v_base := greatest(l.tat, now());
+  -- The next start: one interval past the platform's last, less its tolerance, and not before now.
+  v_now := clock_timestamp();
+  v_base := greatest(l.tat, v_now);
   UPDATE tq_platforms p
   SET tat = v_base + make_interval(secs => 1 / p.requests_per_second)
   WHERE p.platform = v_platform;
   RETURN QUERY SELECT
     v_decision,
-    greatest(extract(EPOCH FROM v_base - now()) - tq_platform_tolerance(l.burst, l.requests_per_second), 0)
+    greatest(extract(EPOCH FROM v_base - v_now) - tq_platform_tolerance(l.burst, l.requests_per_second), 0)
       ::DOUBLE PRECISION;
 END;
 $$;
@@ -2783,6 +2789,17 @@ BEGIN
   UPDATE dispensaries SET crawl_enabled = false
   WHERE id = p_dispensary_id;
 END;
+$$;
+
+
+--
+-- Name: tq_platform_grace(integer, double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_platform_grace(p_burst integer, p_rate double precision) RETURNS double precision
+    LANGUAGE sql IMMUTABLE
+    AS $$
+  SELECT (p_burst / p_rate - tq_platform_tolerance(p_burst, p_rate)) / 2;
 $$;
 
 

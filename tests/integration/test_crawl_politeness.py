@@ -412,7 +412,8 @@ def test_redirect_hops_are_requests_under_the_platforms_rate(
     report = politeness_report(log, max_in_flight=4, requests_per_second=rate, burst=burst)
     assert report["seconds_over_rate"] == 0, report
     assert report["max_starts_per_second"] <= rate + burst, report
-    assert report["max_starts_sliding_1s"] <= rate + burst, report
+    offsets = [round(a - arrivals[0], 3) for a in arrivals]
+    assert report["max_starts_sliding_1s"] <= rate + burst, (report, offsets)
     assert report["over_in_flight"] == 0, report
     assert_no_slots_held(conn)
 
@@ -480,4 +481,66 @@ def test_a_handler_meeting_a_paused_platform_defers_without_a_retry(
     assert sim.platforms["dutchie"].request_log() == []  # the server never heard of it
     rows = platform_rows(conn)
     assert (rows["dutchie"]["state"], rows["dutchie"]["in_flight"]) == ("paused", 0)
+    assert_no_slots_held(conn)
+
+
+# -- 6. handlers that begin late ------------------------------------------------------------------
+
+
+def late_then_fetch(late: int, seconds: float) -> Callable[[Task, TaskContext], JSON]:
+    """A handler: the first ``late`` tasks to begin sleep ``seconds`` before their crawl (a thread
+    stalled, a busy machine), so their first requests come well after the starts their claim gave
+    them; the others crawl at once."""
+    begun: list[int] = []
+    lock = threading.Lock()
+
+    def handler(task: Task, ctx: TaskContext) -> JSON:
+        with lock:
+            begun.append(task.id)
+            stalled = len(begun) <= late
+        if stalled:
+            threading.Event().wait(seconds)
+        return crawl_menu(task, ctx)
+
+    return handler
+
+
+def test_requests_that_miss_their_start_take_new_ones(
+    conn: psycopg.Connection,
+    queue: TaskQueue,
+    simulate: Callable[..., Simulator],
+    tmp_path: Path,
+):
+    """A claim of five tasks gives their first requests the starts 0, 0.25 ... 1 s (4/s, burst 1);
+    the first two handlers sleep half a second before theirs. Sent then, with the start of 0.5 s
+    and the next ones, six would reach the server within one second; they take new starts after
+    the others instead, and every second of the server hears at most rate + burst."""
+    stores, rate, burst = 8, 4, 1
+    sim = simulate(stores=stores, latency_ms=5)
+    path = platforms_file(
+        tmp_path,
+        sim,
+        {"dutchie": {"max_in_flight": 6, "requests_per_second": rate, "burst": burst, "timeout_seconds": 5}},
+    )
+    settings = load_platform_settings(path)
+    sync_limits(queue, settings)
+    add_simulated_stores(conn, queue, sim)
+    conn.execute("DELETE FROM worker_tasks WHERE platform <> 'dutchie'")
+
+    with CrawlServices(settings) as services:
+        worker = Worker(queue, ROLE, late_then_fetch(2, 0.5), services=services, concurrency=6)
+        stats = worker.run()
+    outcomes = (stats.claimed, stats.completed, stats.deferred, stats.retried, stats.failed)
+    assert outcomes == (stores, stores, 0, 0, 0)
+
+    log = sim.platforms["dutchie"].request_log()
+    assert Counter(status for _, _, status in log) == {200: stores}
+    arrivals = sorted(a for a, _, _ in log)
+    offsets = [round(a - arrivals[0], 3) for a in arrivals]
+    report = politeness_report(log, max_in_flight=6, requests_per_second=rate, burst=burst)
+    assert report["max_starts_sliding_1s"] <= rate + burst, (report, offsets)
+    assert report["seconds_over_rate"] == 0, (report, offsets)
+    # Each start came from the platform's pace: eight requests at 4/s span 7 intervals (the
+    # first may reach the server a little after its start: one interval allowed).
+    assert arrivals[-1] - arrivals[0] >= (stores - 2) / rate, offsets
     assert_no_slots_held(conn)

@@ -311,6 +311,34 @@ def test_request_starts_given_by_claims_never_exceed_the_platform_rate(db_url: s
     assert_platform_counters_consistent(conn)
 
 
+def test_a_first_request_past_its_start_takes_the_next_one(conn: psycopg.Connection, queue: TaskQueue):
+    """A claim gives three tasks the starts 0, 0.25 and 0.5 s (4/s, burst 1: a grace of 0.125 s).
+    Asked 0.2 s in, the second task keeps its start; the first, past its own by more than the
+    grace, is given the next start after all three, and the platform's pace moves one interval."""
+    queue.sync_platform_limits([PlatformLimits("paced", 10, 4.0, 1)])
+    add_platform_tasks(conn, "paced", add_stores(conn, 3, platform="paced"))
+    tasks = sorted(queue.claim_many(ROLE, "w1", 3, start=True), key=lambda t: t.send_at or db_now(conn))
+    [first, second, third] = tasks
+    assert [t.send_at is not None for t in tasks] == [True] * 3
+    tat = platform_row(conn, "paced")["tat"]
+    assert (tat - first.send_at).total_seconds() == pytest.approx(0.75, abs=1e-3)
+
+    time.sleep(max(0.0, 0.2 - (db_now(conn) - first.send_at).total_seconds()))
+    kept = queue.platform_request(second, first=True)
+    assert kept.decision == "go"
+    assert 0 < kept.wait_seconds <= 0.05 + 1e-3
+    assert platform_row(conn, "paced")["tat"] == tat
+
+    moved = queue.platform_request(first, first=True)
+    now = db_now(conn)
+    assert moved.decision == "go"
+    # Its new start: the platform's next, after the third task's (0.5 s).
+    assert moved.wait_seconds == pytest.approx((tat - now).total_seconds(), abs=0.02)
+    assert (tat - third.send_at).total_seconds() == pytest.approx(0.25, abs=1e-3)
+    assert (platform_row(conn, "paced")["tat"] - tat).total_seconds() == pytest.approx(0.25, abs=1e-3)
+    assert in_flight(conn, "paced") == (3, 3)
+
+
 # -- one claim over several platforms ----------------------------------------------------------
 
 

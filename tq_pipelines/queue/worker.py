@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 # slots given back with outcomes before it asks again.
 SHORT_RETRY_SECONDS = 0.25
 
+# A request's thread that wakes this long after its start asks PostgreSQL again rather than
+# send late (PlatformPermit.request); after this many late wakes in a row the task is deferred.
+LATE_START_SECONDS = 0.01
+MAX_LATE_STARTS = 4
+
 
 class PermanentTaskError(Exception):
     """Raised by a handler for a failure that a retry cannot fix: the task fails at once."""
@@ -108,30 +113,46 @@ class PlatformPermit:
                 raise RuntimeError(
                     f"task {self.task.id} gave its {self.platform} slot back and cannot send more requests"
                 )
-            if self.requests == 0 and self.first_start is not None:
+            first = self.requests == 0
+            if first and self.first_start is not None:
                 claimed, delay = self.first_start
-                wait = delay - (time.monotonic() - claimed)
+                due = claimed + delay
+            else:
+                due = self._ask(first)
+            late = 0
+            while True:
+                # The wait is at most about a second (the claim looks no further ahead); a lost
+                # lease ends it.
+                wait = due - time.monotonic()
                 if wait > 0 and self.lease_lost.wait(wait):
                     raise LeaseLostError(f"lease on task {self.task.id} lost while waiting to send")
-                self.requests += 1
-                yield
-                return
-            answer = self.queue.platform_request(self.task, first=self.requests == 0)
-            if answer.decision == "lost":
-                self.lease_lost.set()
-                raise LeaseLostError(f"lease on task {self.task.id} lost before a request")
-            self.probing = answer.decision == "probe"
-            if answer.decision == "paused":
-                raise DeferTask(
-                    max(answer.wait_seconds, 1.0),
-                    f"platform {self.platform} is paused for {answer.wait_seconds:.0f} s",
-                )
-            # The wait is at most about a second (the claim looks no further ahead); a lost
-            # lease ends it.
-            if answer.wait_seconds > 0 and self.lease_lost.wait(answer.wait_seconds):
-                raise LeaseLostError(f"lease on task {self.task.id} lost while waiting to send")
+                if time.monotonic() - due <= LATE_START_SECONDS:
+                    break
+                # Woken late (a busy machine, a stalled process): sent now, the request would
+                # arrive among the starts given after its own. PostgreSQL keeps a claim's start
+                # within the platform's grace, else gives the next (0019).
+                late += 1
+                if late == MAX_LATE_STARTS:
+                    reason = f"task {self.task.id} woke late for {late} starts of {self.platform}"
+                    raise DeferTask(1.0, reason)
+                due = self._ask(first)
             self.requests += 1
             yield
+
+    def _ask(self, first: bool) -> float:
+        """Ask PostgreSQL for the request's start: its ``time.monotonic()``."""
+        answer = self.queue.platform_request(self.task, first=first)
+        answered = time.monotonic()
+        if answer.decision == "lost":
+            self.lease_lost.set()
+            raise LeaseLostError(f"lease on task {self.task.id} lost before a request")
+        self.probing = answer.decision == "probe"
+        if answer.decision == "paused":
+            raise DeferTask(
+                max(answer.wait_seconds, 1.0),
+                f"platform {self.platform} is paused for {answer.wait_seconds:.0f} s",
+            )
+        return answered + answer.wait_seconds
 
     def release(self) -> None:
         """Done with the platform: give the task's slot back now (idempotent)."""
