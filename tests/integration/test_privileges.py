@@ -71,6 +71,7 @@ INVOKER_FUNCTIONS = {
     "tq_platforms_apply",
     "tq_platform_quota",
     "tq_platform_tolerance",
+    "tq_platform_grace",  # how long a start stays good (0019)
     "tq_retry_delay",
     # whether a worker's session lock is held (0011)
     "tq_session_alive",
