@@ -2799,7 +2799,7 @@ $$;
 CREATE FUNCTION public.tq_platform_grace(p_burst integer, p_rate double precision) RETURNS double precision
     LANGUAGE sql IMMUTABLE
     AS $$
-  SELECT (p_burst / p_rate - tq_platform_tolerance(p_burst, p_rate)) / 2;
+  SELECT greatest((p_burst / p_rate - tq_platform_tolerance(p_burst, p_rate)) / 2, 0.01);
 $$;
 
 

@@ -22,11 +22,13 @@
 -- How long after its start a request may still be sent: half of what the GCRA leaves between a
 -- start and the limit. In a steady stream the starts are one interval apart and the limit allows
 -- `burst` in a second beyond `rate`; after an idle spell the tolerance (burst - 1 intervals, less
--- 0.1 s) spends all of the burst but one interval and 0.1 s.
+-- 0.1 s) spends all of the burst but one interval and 0.1 s. At least 10 ms, the worker's own
+-- measure of a late wake: at a rate that never binds, a handler's first request, a few
+-- milliseconds after its claim, keeps its start instead of taking the platform's row lock.
 ------------------------------------------------------------------------------------------------
 CREATE OR REPLACE FUNCTION tq_platform_grace(p_burst INTEGER, p_rate DOUBLE PRECISION)
 RETURNS DOUBLE PRECISION AS $$
-  SELECT (p_burst / p_rate - tq_platform_tolerance(p_burst, p_rate)) / 2;
+  SELECT greatest((p_burst / p_rate - tq_platform_tolerance(p_burst, p_rate)) / 2, 0.01);
 $$ LANGUAGE sql IMMUTABLE;
 
 CREATE OR REPLACE FUNCTION platform_request(p_task_id INTEGER, p_lease UUID, p_first BOOLEAN)
