@@ -45,26 +45,39 @@ from tq_pipelines.db.migrate import migrate  # noqa: E402
 from tq_pipelines.defs.jobs import drain_tasks_job  # noqa: E402
 from tq_pipelines.defs.resources import CrawlResource, QueueResource  # noqa: E402
 from tq_pipelines.queue.api import TaskQueue  # noqa: E402
-from tq_pipelines_demo.simulator import PlatformProfile, Simulator, platforms_toml  # noqa: E402
+from tq_pipelines_demo.simulator import (  # noqa: E402
+    PlatformProfile,
+    Simulator,
+    platforms_toml,
+    politeness_report,
+)
 
 NAMES = ("dutchie", "jane", "treez", "weedmaps", "leafly", "meadow")
 CHANGE_SECONDS = 600.0
 
 
 def _serve(profiles: list[PlatformProfile], offset: float, conn: Any) -> None:
-    """The simulator process: serves until told to stop, then sends back its counters."""
+    """The simulator process: serves; on "stats" sends back its counters and the most requests
+    that reached each platform in any one second (from its own log); on "stop" stops."""
     simulator = Simulator(profiles)
     for p in simulator.platforms.values():
         p.started_at -= offset
     simulator.start()
     conn.send({n: p.base_url for n, p in simulator.platforms.items()})
-    conn.recv()  # stop
-    stats = {
-        n: {"requests": p.stats.requests, "max_in_flight": p.stats.max_in_flight}
-        for n, p in simulator.platforms.items()
-    }
+    while conn.recv() == "stats":
+        conn.send(
+            {
+                n: {
+                    "requests": p.stats.requests,
+                    "max_in_flight": p.stats.max_in_flight,
+                    "max_starts_sliding_1s": politeness_report(
+                        p.request_log(), max_in_flight=p.stats.max_in_flight, requests_per_second=1, burst=0
+                    )["max_starts_sliding_1s"],
+                }
+                for n, p in simulator.platforms.items()
+            }
+        )
     simulator.stop()
-    conn.send(stats)
 
 
 class SimulatorProcess:
@@ -75,9 +88,14 @@ class SimulatorProcess:
         self.process.start()
         self.urls: dict[str, str] = self.conn.recv()
 
-    def stop(self) -> dict[str, dict[str, int]]:
-        self.conn.send("stop")
+    def stats(self) -> dict[str, dict[str, int]]:
+        self.conn.send("stats")
         stats: dict[str, dict[str, int]] = self.conn.recv()
+        return stats
+
+    def stop(self) -> dict[str, dict[str, int]]:
+        stats = self.stats()
+        self.conn.send("stop")
         self.process.join(10)
         return stats
 
@@ -279,9 +297,10 @@ def main() -> None:
             "SELECT count(*) FILTER (WHERE NOT (result->>'unchanged')::boolean) FROM worker_tasks"
             " WHERE role = 'product_resync' AND status = 'completed'"
         ).fetchone()[0]  # type: ignore[index]
+    resync_stats = sim.stats()  # before the probe's own requests
     # 4. The bound, on the same simulator.
     latency = probe_latency(sim.urls, url)
-    resync_stats = sim.stop()
+    sim.stop()
     in_flight_bound = args.in_flight * args.platforms / latency
     bound = (
         in_flight_bound if args.bound == "in-flight" else min(limit_rate * args.platforms, in_flight_bound)
@@ -301,6 +320,8 @@ def main() -> None:
         "bound_by": args.bound,
         "in_flight_per_host": args.in_flight,
         "requests_per_second_per_platform": limit_rate,
+        # rate + burst (the burst is max_in_flight when the platforms file names none)
+        "requests_allowed_in_1s": limit_rate + args.in_flight,
         "latency_ms_configured": args.latency_ms,
         "latency_ms_measured": round(latency * 1000, 1),
         "bound_stores_per_s": round(bound, 1),
@@ -313,6 +334,7 @@ def main() -> None:
             "per_run": first_shares,
             "spread": spread(first_shares),
             "server_max_in_flight": {n: s["max_in_flight"] for n, s in first_stats.items()},
+            "server_max_requests_in_1s": {n: s["max_starts_sliding_1s"] for n, s in first_stats.items()},
         },
         "resync": {
             "generated": generated,
@@ -325,6 +347,7 @@ def main() -> None:
             "per_run": resync_shares,
             "spread": spread(resync_shares),
             "server_max_in_flight": {n: s["max_in_flight"] for n, s in resync_stats.items()},
+            "server_max_requests_in_1s": {n: s["max_starts_sliding_1s"] for n, s in resync_stats.items()},
         },
     }
     print(json.dumps(report, indent=2))

@@ -63,6 +63,23 @@ def test_jobs_schedules_sensors_and_asset_exist(repo: dg.RepositoryDefinition):
     assert {"tq", "crawl", "alerts", "health"} <= set(repo.get_top_level_resources())
 
 
+MAINTENANCE = {
+    "recover_stale_tasks_job",
+    "task_completion_log_job",
+    "store_freshness_job",
+    "generate_resync_tasks_job",
+    "prune_job",
+}
+
+
+def test_maintenance_jobs_go_ahead_of_drain_runs_in_the_run_queue(repo: dg.RepositoryDefinition):
+    """Every maintenance job carries dagster/priority 10 (docs/DEPLOYMENT.md, "Limits that
+    matter"); no other job does, so none of them waits behind a queued drain run."""
+    priority = {name: repo.get_job(name).tags.get("dagster/priority") for name in JOBS}
+    assert {name for name, p in priority.items() if p == "10"} == MAINTENANCE, priority
+    assert all(p is None for name, p in priority.items() if name not in MAINTENANCE), priority
+
+
 def test_every_schedule_and_sensor_runs_by_default(repo: dg.RepositoryDefinition):
     for schedule in repo.schedule_defs:
         assert schedule.default_status == dg.DefaultScheduleStatus.RUNNING, schedule.name

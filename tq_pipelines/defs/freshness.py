@@ -12,6 +12,7 @@ from tq_pipelines.db.queries import query
 from tq_pipelines.defs.alerting import Alert
 from tq_pipelines.defs.lineage import CRAWL_OWNERS, DISPENSARIES, FLEET, PRODUCTS, STORE_FRESHNESS
 from tq_pipelines.defs.resources import QueueResource
+from tq_pipelines.defs.run_tags import MAINTENANCE_TAGS
 from tq_pipelines.queue.api import TaskQueue
 
 # A daily resync spreads a platform's stores over the day in batches: a store is crawled again
@@ -217,6 +218,7 @@ store_freshness_job = dg.define_asset_job(
     "store_freshness_job",
     selection=[store_freshness],
     executor_def=dg.in_process_executor,
+    tags={"tq/kind": "freshness", **MAINTENANCE_TAGS},
 )
 
 # Every five minutes, two minutes off the rollup's and the recovery's ticks so their runs do not

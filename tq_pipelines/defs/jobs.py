@@ -10,14 +10,9 @@ from pydantic import Field, ValidationError
 from tq_pipelines.crawl.handlers import HTTP_ROLES, enqueue_store_discovery
 from tq_pipelines.defs.resources import CrawlResource, QueueResource
 from tq_pipelines.defs.resync import generate_resync_tasks_job  # noqa: F401 (importable from here too)
+from tq_pipelines.defs.run_tags import MAINTENANCE_TAGS
 from tq_pipelines.handlers import BUILTIN, HOW_TO_PLUG_IN, load_handlers
 from tq_pipelines.queue.worker import Worker
-
-# Run slots are shared through the instance's run queue (dagster.yaml): drain runs are capped by
-# their tq/kind tag below max_concurrent_runs, so the maintenance jobs always find a slot, and
-# these jobs go first in the queue. No op claims a concurrency pool: a run killed -9 never
-# gives a pool slot back.
-MAINTENANCE_TAGS = {"dagster/priority": "10"}
 
 # Ops report through output metadata and return nothing (Nothing outputs skip the IO manager).
 

@@ -11,8 +11,9 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from tq_pipelines.defs.jobs import MAINTENANCE_TAGS, checked_op_config
+from tq_pipelines.defs.jobs import checked_op_config
 from tq_pipelines.defs.resources import QueueResource
+from tq_pipelines.defs.run_tags import MAINTENANCE_TAGS
 from tq_pipelines.queue.retention import (
     LIMITS,
     TABLES,

@@ -26,6 +26,7 @@ from tq_pipelines.defs.bindings import crawl_resource, queue_resource
 from tq_pipelines.defs.lineage import DISPENSARIES, POSTGRES, PRODUCT_RESYNC, QUEUE, QUEUE_OWNERS
 from tq_pipelines.defs.partitions import resync_partitions_def
 from tq_pipelines.defs.resources import CrawlResource, QueueResource
+from tq_pipelines.defs.run_tags import MAINTENANCE_TAGS
 from tq_pipelines.queue.api import TaskQueue
 
 BACKFILL_CHECK = "backfill_finished"
@@ -246,9 +247,7 @@ def backfill_finished(context: dg.AssetCheckExecutionContext, tq: QueueResource)
     return dg.AssetCheckResult(**backfill_result(past_days_running(tq.queue, today)))
 
 
-# Run priority: as the other maintenance jobs (jobs.MAINTENANCE_TAGS), queued runs of this job go
-# ahead of drain runs.
-RESYNC_TAGS = {"tq/kind": "resync", "dagster/priority": "10"}
+RESYNC_TAGS = {"tq/kind": "resync", **MAINTENANCE_TAGS}
 
 _resync_job = dg.define_asset_job(
     "generate_resync_tasks_job",

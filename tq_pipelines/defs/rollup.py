@@ -11,6 +11,7 @@ from tq_pipelines.defs.freshness import DEFAULT_FAILURE_RATE
 from tq_pipelines.defs.lineage import QUEUE, QUEUE_OWNERS, TASK_COMPLETION_LOG, WORKER_TASKS, table_reference
 from tq_pipelines.defs.partitions import hourly_partitions_def
 from tq_pipelines.defs.resources import QueueResource
+from tq_pipelines.defs.run_tags import MAINTENANCE_TAGS
 
 FAILURE_RATE_CHECK = "failure_rate_below_threshold"
 # Hours per run of a backfill: a day's hours take about a second to roll up, against a run's
@@ -129,4 +130,5 @@ task_completion_log_job = dg.define_asset_job(
     "task_completion_log_job",
     selection=[task_completion_log],
     executor_def=dg.in_process_executor,
+    tags={"tq/kind": "rollup", **MAINTENANCE_TAGS},
 )
