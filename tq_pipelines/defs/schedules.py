@@ -24,8 +24,9 @@ recover_stale_tasks_schedule = dg.ScheduleDefinition(
 
 def _hour_run_request(at: datetime, *, once: bool) -> dg.RunRequest | dg.SkipReason:
     """A run of task_completion_log for the UTC hour holding ``at``; with ``once``, one run per
-    hour whatever the tick's retries. Its partition tags are set here, as Dagster's own
-    partitioned schedules set them, so that evaluating the schedule needs no repository."""
+    hour whatever the tick's retries. Its partition's tag (Dagster's documented dagster/partition)
+    is set here, as Dagster's own partitioned schedules set it, so that evaluating the schedule
+    needs no repository."""
     if at < FIRST_HOUR:
         # The hour before a new deployment's first: not a partition.
         return dg.SkipReason(
@@ -35,7 +36,7 @@ def _hour_run_request(at: datetime, *, once: bool) -> dg.RunRequest | dg.SkipRea
     return dg.RunRequest(
         run_key=key if once else None,
         partition_key=key,
-        tags=hourly_partitions_def.get_tags_for_partition_key(key),
+        tags={"dagster/partition": key},
     )
 
 
