@@ -276,14 +276,16 @@ def test_maintenance_starts_while_every_drain_slot_is_taken(daemon: Daemon, conn
     for i, role in enumerate(SATURATING):
         add_tasks(conn, role, stores[i * 200 : (i + 1) * 200], 1)
     # 12 drain runs asked for (4 a role): 11 start (the tq/kind=drain limit), one waits.
-    # (the sensor tops up one run a tick per role while claimable work waits beside live runs)
+    # (the sensor tops up one run a tick per role while claimable work waits beside live runs;
+    # the daemon's own schedules may add a drain run of another role, as analytics_refresh's
+    # does at each quarter hour: then two wait)
     wait_for(
         lambda: (
             len(daemon.runs("drain_tasks_job", [dg.DagsterRunStatus.STARTED])) == 11
-            and len(daemon.runs("drain_tasks_job", [dg.DagsterRunStatus.QUEUED])) == 1
+            and len(daemon.runs("drain_tasks_job", [dg.DagsterRunStatus.QUEUED])) >= 1
         ),
         240,
-        "11 drain runs started and one queued",
+        "11 drain runs started and at least one queued",
     )
     last_hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
     partition = json.dumps({"dagster/partition": f"{last_hour:%Y-%m-%d-%H:%M}"})
