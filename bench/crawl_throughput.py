@@ -18,7 +18,9 @@ latency, no faults):
    second per platform (below what the slots carry), and the bound is rate x platforms.
 Figures: stores/s from first claim to last completion (from worker_tasks), and its ratio to the
 bound; each run's share of the stores (and the spread, the largest over the smallest); the
-server's highest in-flight count per host shows the limit was held, not exceeded.
+server's highest in-flight count per host shows the limit was held, not exceeded; the cores
+used while the runs drained (the machine's, the drain runs', the simulator's, the rest:
+PostgreSQL and anything else on the machine) show whether the machine, not the queue, bound it.
 """
 
 import argparse
@@ -40,6 +42,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cpu import Span, own_cpu  # noqa: E402
 from bench.queue_throughput import recreate_db  # noqa: E402
 from tq_pipelines.db.migrate import migrate  # noqa: E402
 from tq_pipelines.defs.jobs import drain_tasks_job  # noqa: E402
@@ -87,6 +90,7 @@ class SimulatorProcess:
         self.process = ctx.Process(target=_serve, args=(profiles, offset, child), daemon=True)
         self.process.start()
         self.urls: dict[str, str] = self.conn.recv()
+        self.pid = self.process.pid or 0
 
     def stats(self) -> dict[str, dict[str, int]]:
         self.conn.send("stats")
@@ -157,14 +161,22 @@ def _drain_process(url: str, role: str, path: str, pool: int, ready: Any, go: An
     """One drain run in a process of its own: loaded, it waits for the others, then drains."""
     ready.put(os.getpid())
     go.wait()
-    out.put(drain(url, role, Path(path), pool))
+    began = own_cpu()
+    result = drain(url, role, Path(path), pool)
+    out.put(result | {"cpu_seconds": own_cpu() - began})
 
 
-def drain_runs(url: str, role: str, path: Path, pool: int, runs: int) -> list[dict[str, Any]]:
-    """``runs`` drain runs at once, each a process; returns each run's metadata. With one, in
-    this process, as a single run is usually launched."""
+def drain_runs(
+    url: str, role: str, path: Path, pool: int, runs: int, simulator: int
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """``runs`` drain runs at once, each a process; returns each run's metadata, and the cores
+    used from the moment they all began: the machine's, the drain runs', the simulator's (and so
+    PostgreSQL's and the rest's, the difference). With one run, in this process, as a single run
+    is usually launched."""
     if runs == 1:
-        return [drain(url, role, path, pool)]
+        span, began = Span(simulator=simulator), own_cpu()
+        results = [drain(url, role, path, pool) | {"cpu_seconds": own_cpu() - began}]
+        return results, span.cores(drain_runs=sum(r["cpu_seconds"] for r in results))
     ctx = mp.get_context("spawn")
     ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
     procs = [
@@ -175,11 +187,13 @@ def drain_runs(url: str, role: str, path: Path, pool: int, runs: int) -> list[di
         p.start()
     for _ in procs:
         ready.get(timeout=120)
+    span = Span(simulator=simulator)
     go.set()
     results = [out.get(timeout=3600) for _ in procs]
+    cores = span.cores(drain_runs=sum(r["cpu_seconds"] for r in results))
     for p in procs:
         p.join(30)
-    return results
+    return results, cores
 
 
 def shares(url: str, role: str) -> list[int]:
@@ -276,7 +290,7 @@ def main() -> None:
             " ORDER BY row_number() OVER (PARTITION BY menu_type ORDER BY id), menu_type, id"
         )
     path = platforms_file(folder, sim.urls, args.in_flight, limit_rate)
-    first = drain_runs(url, "product_discovery", path, args.pool, args.runs)
+    first, first_cpu = drain_runs(url, "product_discovery", path, args.pool, args.runs, sim.pid)
     first_n, first_rate = rate(url, "product_discovery")
     first_shares = shares(url, "product_discovery")
     first_stats = sim.stop()
@@ -289,7 +303,7 @@ def main() -> None:
             day=datetime.now(UTC).date(), batches_per_day=1, platforms=[p.name for p in profiles]
         )
     path = platforms_file(folder, sim.urls, args.in_flight, limit_rate)
-    resync = drain_runs(url, "product_resync", path, args.pool, args.runs)
+    resync, resync_cpu = drain_runs(url, "product_resync", path, args.pool, args.runs, sim.pid)
     resync_n, resync_rate = rate(url, "product_resync")
     resync_shares = shares(url, "product_resync")
     with psycopg.connect(url) as conn:
@@ -335,6 +349,7 @@ def main() -> None:
             "spread": spread(first_shares),
             "server_max_in_flight": {n: s["max_in_flight"] for n, s in first_stats.items()},
             "server_max_requests_in_1s": {n: s["max_starts_sliding_1s"] for n, s in first_stats.items()},
+            "cores": first_cpu,
         },
         "resync": {
             "generated": generated,
@@ -348,6 +363,7 @@ def main() -> None:
             "spread": spread(resync_shares),
             "server_max_in_flight": {n: s["max_in_flight"] for n, s in resync_stats.items()},
             "server_max_requests_in_1s": {n: s["max_starts_sliding_1s"] for n, s in resync_stats.items()},
+            "cores": resync_cpu,
         },
     }
     print(json.dumps(report, indent=2))

@@ -61,6 +61,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cpu import machine_busy, proc_cpu  # noqa: E402
+
 PORTABLE = ROOT / "bench" / "portable"
 OUT_ROOT = ROOT / "docs" / "bench" / "long_horizon"
 STATE = ROOT / ".tq" / "bench-lh"
@@ -284,7 +286,40 @@ def free_port() -> int:
 
 
 def connect(url: str, **kw: Any) -> psycopg.Connection:
-    return psycopg.connect(url, application_name=APP, connect_timeout=5, **kw)
+    kw.setdefault("application_name", APP)
+    return psycopg.connect(url, connect_timeout=5, **kw)
+
+
+# ── where the CPU goes (a server on this machine: its backends' pids are read from /proc) ──────
+
+READER_APP = APP + "-reader"
+CPU_GROUPS = ("busy", "clients", "queue", "readers", "autovacuum", "other")
+
+
+class CpuMeter:
+    """Cores used between two samples: the machine's, the system's clients (its adapter
+    processes), its backends, the readers' backends with their parallel workers, autovacuum's
+    and the rest of the server's. A backend seen for the first time counts from zero (it was
+    born in the window); one gone since the last sample loses its last window's share, and
+    short-lived parallel workers count only if a sample catches them."""
+
+    def __init__(self) -> None:
+        self.prev: dict[int, float] = {}
+        self.prev_busy: float | None = None
+        self.prev_t = 0.0
+
+    def sample(self, groups: dict[int, str]) -> dict[str, float] | None:
+        now, busy = time.monotonic(), machine_busy()
+        cur = {pid: c for pid in groups if (c := proc_cpu(pid)) is not None}
+        first = self.prev_busy is None
+        out: dict[str, float] = dict.fromkeys(CPU_GROUPS, 0.0)
+        dt = now - self.prev_t
+        if not first and dt > 0:
+            out["busy"] = (busy - (self.prev_busy or 0.0)) / dt
+            for pid, c in cur.items():
+                out[groups[pid]] += max(0.0, c - self.prev.get(pid, 0.0)) / dt
+        self.prev, self.prev_busy, self.prev_t = cur, busy, now
+        return None if first else out
 
 
 # ── adapters and their replicas ─────────────────────────────────────────────────────────────────
@@ -341,6 +376,8 @@ class SystemRun:
         self.samples: list[tuple[float, int, str, float]] = []  # (epoch, replica, metric, value)
         self.tables: list[tuple[float, str, float, float, float]] = []  # (epoch, table, dead, live, MB)
         self.backends: list[tuple[float, float]] = []
+        self.cpu: list[tuple[float, str, float]] = []  # (epoch, group, cores)
+        self.cpu_meter = CpuMeter()
         self.events: list[tuple[float, str]] = []
         self.stderr_dir = STATE / "logs" / run_dir.name
         self.stderr_dir.mkdir(parents=True, exist_ok=True)
@@ -497,9 +534,11 @@ class SystemRun:
                     " AND application_name NOT LIKE %s",
                     (APP + "%",),
                 ).fetchone()
+                cpu = self.cpu_meter.sample(self._cpu_groups(conn))
                 with self.lock:
                     self.tables.extend(rows)
                     self.backends.append((now, float(backends[0] if backends else 0)))
+                    self.cpu.extend((now, g, v) for g, v in (cpu or {}).items())
             except psycopg.Error:
                 if conn is not None:
                     with contextlib.suppress(Exception):
@@ -507,6 +546,28 @@ class SystemRun:
                 conn = None
         if conn is not None:
             conn.close()
+
+    def _cpu_groups(self, conn: psycopg.Connection) -> dict[int, str]:
+        """Each process to measure: the adapters' and every backend of the server, by group."""
+        rows = conn.execute(
+            "SELECT pid, leader_pid, datname, application_name, backend_type FROM pg_stat_activity"
+            " WHERE pid <> pg_backend_pid()"
+        ).fetchall()
+        own: dict[int, str] = {}
+        for pid, _, datname, app, btype in rows:
+            if app == READER_APP:
+                own[pid] = "readers"
+            elif (btype or "").startswith("autovacuum"):
+                own[pid] = "autovacuum"
+            elif datname == self.adapter.db and not (app or "").startswith(APP):
+                own[pid] = "queue"
+            else:
+                own[pid] = "other"
+        groups = {pid: own.get(leader, own[pid]) if leader else own[pid] for pid, leader, *_ in rows}
+        for r in self.replicas:
+            if r.proc is not None and r.proc.poll() is None:
+                groups[r.proc.pid] = "clients"
+        return groups
 
     # ── the audit ──
 
@@ -630,7 +691,7 @@ class Stress:
     def _reader(self, table: str) -> None:
         # As the harness: one REPEATABLE READ transaction per reader, scanning every 100 ms.
         try:
-            with connect(self.run.url) as conn:
+            with connect(self.run.url, application_name=READER_APP) as conn:
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                 while not self.stop_event.is_set():
                     conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.SQL(table))).fetchall()  # type: ignore[arg-type]
@@ -833,6 +894,7 @@ def ticks_of(run: SystemRun, phases: list[Phase], every: float) -> list[Tick]:
         samples = list(run.samples)
         tables = list(run.tables)
         backends = list(run.backends)
+        cpu = list(run.cpu)
     for t, i, metric, v in samples:
         key = round(t / every) * every
         by.setdefault(key, {}).setdefault(metric, {})[i] = v
@@ -843,12 +905,18 @@ def ticks_of(run: SystemRun, phases: list[Phase], every: float) -> list[Tick]:
             d[name][len(d[name])] = v
     for t, n in backends:
         by.setdefault(t, {})["backends"] = {0: n}
+    for t, group, cores in cpu:
+        by.setdefault(t, {})[f"cpu_{group}"] = {0: cores}
     out = []
     for t in sorted(by):
         tick = Tick(t)
         for metric, per in by[t].items():
             vals = list(per.values())
-            if metric.endswith("_rate") or metric in ("dead_tup", "live_tup", "size_mb", "backends"):
+            if (
+                metric.endswith("_rate")
+                or metric in ("dead_tup", "live_tup", "size_mb", "backends")
+                or (metric.startswith("cpu_"))
+            ):
                 tick.m[metric] = sum(vals)
             else:
                 tick.m[metric] = max(vals)
@@ -894,6 +962,11 @@ def phase_stats(ticks: list[Tick], phase: Phase, offered: float) -> dict[str, An
         "size_end": end.get("size_mb"),
         "dead_max": max((k.m["dead_tup"] for k in rows if "dead_tup" in k.m), default=None),
         "samples": len(rows),
+        "cpu": {
+            g: statistics.mean(v)
+            for g in CPU_GROUPS
+            if (v := [k.m[c] for k in rows if (c := f"cpu_{g}") in k.m])
+        },
     }
 
 
@@ -970,6 +1043,29 @@ def summarise(
                 f"| {fmt(s['dead_end'])} ({fmt(s['dead_max'])}) | {fmt(s['live_end'])} "
                 f"| {fmt(s['size_end'], 2)} |"
             )
+
+    lines += [
+        "",
+        "### Where the CPU went",
+        "",
+        f"Cores used, means over the phase's samples, on a machine of {os.cpu_count()}: all of it "
+        "(busy), the system's adapter processes (clients: producer and workers), its backends "
+        "(queue), the readers' backends and their parallel workers, autovacuum, and the rest "
+        "(the bench's own sampling, other backends, what the samples missed). Measured from "
+        "/proc, so only for a server on this machine.",
+        "",
+        "| phase | system | " + " | ".join(CPU_GROUPS) + " |",
+        "|---|---|" + "---:|" * len(CPU_GROUPS),
+    ]
+    for p in labels:
+        for run in runs:
+            s = stats[run.system].get(p.label)
+            if s and s["cpu"]:
+                lines.append(
+                    f"| {p.label} ({p.type}) | {run.system} | "
+                    + " | ".join(fmt(s["cpu"].get(g), 2) for g in CPU_GROUPS)
+                    + " |"
+                )
 
     # Recovery: after each stress phase that a recovery (or clean) phase follows.
     lines += [
@@ -1087,7 +1183,15 @@ def _stress_run_start(phases: list[Phase], j: int) -> float:
 
 
 def write_raw(run_dir: Path, runs: list[SystemRun], all_ticks: dict[str, list[Tick]]) -> None:
-    cols = [*ADAPTER_METRICS, "replicas_reporting", "dead_tup", "live_tup", "size_mb", "backends"]
+    cols = [
+        *ADAPTER_METRICS,
+        "replicas_reporting",
+        "dead_tup",
+        "live_tup",
+        "size_mb",
+        "backends",
+        *(f"cpu_{g}" for g in CPU_GROUPS),
+    ]
     with gzip.open(run_dir / "raw.csv.gz", "wt", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["system", "t", "t_rel_s", "phase", "phase_type", *cols])

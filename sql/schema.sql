@@ -157,7 +157,7 @@ BEGIN
   FROM (
     SELECT h.dispensary_id
     FROM worker_task_heads h
-    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id + 0  -- + 0: not a merge key (0020)
     WHERE h.role = p_role
       AND h.recheck_at <= now()
     ORDER BY h.recheck_at
@@ -201,7 +201,7 @@ BEGIN
       CROSS JOIN LATERAL (
         SELECT h.priority, h.due_at, h.dispensary_id, NULL::INTEGER AS task_id, h.platform
         FROM worker_task_heads h
-        JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+        JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id + 0  -- + 0: not a merge key (0020)
         WHERE h.role = p_role
           AND h.platform = r.platform
           AND h.priority = f.priority
@@ -370,7 +370,7 @@ CREATE FUNCTION public.claim_wait(p_role character varying) RETURNS double preci
     WHERE f.role = p_role
       AND EXISTS (SELECT 1
                   FROM worker_task_heads h
-                  JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+                  JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id + 0  -- + 0: not a merge key (0020)
                   WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
                     AND h.due_at >= f.floor AND h.due_at <= now() AND s.active_task_id IS NULL)
     UNION
@@ -2256,7 +2256,7 @@ BEGIN
   LOOP
     SELECT h.priority, h.due_at, h.dispensary_id INTO v_store_key
     FROM worker_task_heads h
-    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id
+    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id + 0  -- + 0: not a merge key (0020)
     WHERE h.role = p_role
       AND h.platform = p_platform
       AND h.priority = v_floor.priority

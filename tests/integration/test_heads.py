@@ -50,3 +50,20 @@ def test_heads_follow_direct_writes(conn: psycopg.Connection, queue: TaskQueue):
     assert queue.complete(task)
     assert queue.claim(ROLE, "w3") is None
     assert conn.execute("SELECT count(*) FROM worker_task_heads").fetchone() == (0,)
+
+
+def test_no_join_of_the_heads_to_their_stores_offers_a_merge_key(conn: psycopg.Connection):
+    """0020: a join on bare h.dispensary_id makes worker_task_heads_store_role's order useful for a
+    merge join, so the planner builds a full scan of it, and under a held snapshot an ANALYZE
+    can make that scan of every head, live or dead, the claim's chosen plan for a minute."""
+    defs = conn.execute(
+        "SELECT p.proname, pg_get_functiondef(p.oid) FROM pg_proc p"
+        " WHERE p.pronamespace = 'public'::regnamespace AND p.prokind = 'f'"
+        " AND p.prosrc LIKE '%worker_task_heads h%' AND p.prosrc LIKE '%worker_task_stores s%'"
+    ).fetchall()
+    assert {name for name, _ in defs} >= {"claim_tasks", "tq_claim_next", "claim_wait"}
+    for name, body in defs:
+        joins = [line.strip() for line in body.splitlines() if "JOIN worker_task_stores s ON" in line]
+        assert joins, name
+        for line in joins:
+            assert "s.dispensary_id = h.dispensary_id + 0" in line, f"{name}: {line}"
