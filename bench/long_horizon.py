@@ -915,7 +915,7 @@ def ticks_of(run: SystemRun, phases: list[Phase], every: float) -> list[Tick]:
             if (
                 metric.endswith("_rate")
                 or metric in ("dead_tup", "live_tup", "size_mb", "backends")
-                or (metric.startswith("cpu_"))
+                or metric.startswith("cpu_")
             ):
                 tick.m[metric] = sum(vals)
             else:
@@ -1050,8 +1050,9 @@ def summarise(
         "",
         f"Cores used, means over the phase's samples, on a machine of {os.cpu_count()}: all of it "
         "(busy), the system's adapter processes (clients: producer and workers), its backends "
-        "(queue), the readers' backends and their parallel workers, autovacuum, and the rest "
-        "(the bench's own sampling, other backends, what the samples missed). Measured from "
+        "(queue), the readers' backends and their parallel workers, autovacuum, and the server's "
+        "other backends (other); busy less the parts is what no part holds: the bench itself, "
+        "other processes, and short-lived ones (parallel workers) no sample caught. Measured from "
         "/proc, so only for a server on this machine.",
         "",
         "| phase | system | " + " | ".join(CPU_GROUPS) + " |",
