@@ -529,15 +529,20 @@ class SystemRun:
                     ).fetchone()
                     if row:
                         rows.append((now, table, float(row[0]), float(row[1]), float(row[2])))
-                backends = conn.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND application_name NOT LIKE %s",
-                    (APP + "%",),
-                ).fetchone()
-                cpu = self.cpu_meter.sample(self._cpu_groups(conn))
+                activity = conn.execute(
+                    "SELECT pid, leader_pid, datname, application_name, backend_type FROM pg_stat_activity"
+                    " WHERE pid <> pg_backend_pid()"
+                ).fetchall()
+                # The system's backends: those on its database that are not this driver's.
+                backends = sum(
+                    1
+                    for _, _, db, app, _ in activity
+                    if db == self.adapter.db and not (app or "").startswith(APP)
+                )
+                cpu = self.cpu_meter.sample(self._cpu_groups(activity))
                 with self.lock:
                     self.tables.extend(rows)
-                    self.backends.append((now, float(backends[0] if backends else 0)))
+                    self.backends.append((now, float(backends)))
                     self.cpu.extend((now, g, v) for g, v in (cpu or {}).items())
             except psycopg.Error:
                 if conn is not None:
@@ -547,14 +552,11 @@ class SystemRun:
         if conn is not None:
             conn.close()
 
-    def _cpu_groups(self, conn: psycopg.Connection) -> dict[int, str]:
-        """Each process to measure: the adapters' and every backend of the server, by group."""
-        rows = conn.execute(
-            "SELECT pid, leader_pid, datname, application_name, backend_type FROM pg_stat_activity"
-            " WHERE pid <> pg_backend_pid()"
-        ).fetchall()
+    def _cpu_groups(self, activity: list[tuple[Any, ...]]) -> dict[int, str]:
+        """Each process to measure, by group: the adapters' and every backend in ``activity``
+        (pg_stat_activity's pid, leader_pid, datname, application_name, backend_type)."""
         own: dict[int, str] = {}
-        for pid, _, datname, app, btype in rows:
+        for pid, _, datname, app, btype in activity:
             if app == READER_APP:
                 own[pid] = "readers"
             elif (btype or "").startswith("autovacuum"):
@@ -563,7 +565,7 @@ class SystemRun:
                 own[pid] = "queue"
             else:
                 own[pid] = "other"
-        groups = {pid: own.get(leader, own[pid]) if leader else own[pid] for pid, leader, *_ in rows}
+        groups = {pid: own.get(leader, own[pid]) if leader else own[pid] for pid, leader, *_ in activity}
         for r in self.replicas:
             if r.proc is not None and r.proc.poll() is None:
                 groups[r.proc.pid] = "clients"
