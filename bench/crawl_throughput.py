@@ -18,7 +18,9 @@ latency, no faults):
    second per platform (below what the slots carry), and the bound is rate x platforms.
 Figures: stores/s from first claim to last completion (from worker_tasks), and its ratio to the
 bound; each run's share of the stores (and the spread, the largest over the smallest); the
-server's highest in-flight count per host shows the limit was held, not exceeded; the cores
+server's highest in-flight count per host shows the limit was held, not exceeded, and its mean
+in flight and a slot's mean gap between two requests (``server_slots``, from the server's own
+log) show how busy the limit kept it; the cores
 used while the runs drained (the machine's, the drain runs', the simulator's, the rest:
 PostgreSQL and anything else on the machine) show whether the machine, not the queue, bound it.
 """
@@ -76,11 +78,39 @@ def _serve(profiles: list[PlatformProfile], offset: float, conn: Any) -> None:
                     "max_starts_sliding_1s": politeness_report(
                         p.request_log(), max_in_flight=p.stats.max_in_flight, requests_per_second=1, burst=0
                     )["max_starts_sliding_1s"],
+                    **occupancy(p.request_log()),
                 }
                 for n, p in simulator.platforms.items()
             }
         )
     simulator.stop()
+
+
+def occupancy(log: list[tuple[float, float, int]]) -> dict[str, float]:
+    """From the server's own log: the seconds from the first arrival to the last departure, and
+    the seconds of requests in flight over that span (their sum: the mean in flight times the
+    span)."""
+    if not log:
+        return {"span_s": 0.0, "busy_s": 0.0}
+    return {
+        "span_s": max(d for _, d, _ in log) - min(a for a, _, _ in log),
+        "busy_s": sum(d - a for a, d, _ in log),
+    }
+
+
+def slot_report(stats: dict[str, dict[str, Any]], slots: int) -> dict[str, dict[str, float]]:
+    """Per server: the mean requests in flight over its busy span, and how long a slot stood
+    empty between two requests on average ((slots x span - busy) / requests): what a freed slot
+    loses before the next request arrives, as the platform sees it."""
+    return {
+        n: {
+            "mean_in_flight": round(s["busy_s"] / s["span_s"], 2) if s["span_s"] else 0.0,
+            "slot_gap_ms": round((slots * s["span_s"] - s["busy_s"]) / s["requests"] * 1000, 1)
+            if s["requests"]
+            else 0.0,
+        }
+        for n, s in stats.items()
+    }
 
 
 class SimulatorProcess:
@@ -92,12 +122,12 @@ class SimulatorProcess:
         self.urls: dict[str, str] = self.conn.recv()
         self.pid = self.process.pid or 0
 
-    def stats(self) -> dict[str, dict[str, int]]:
+    def stats(self) -> dict[str, dict[str, float]]:
         self.conn.send("stats")
-        stats: dict[str, dict[str, int]] = self.conn.recv()
+        stats: dict[str, dict[str, float]] = self.conn.recv()
         return stats
 
-    def stop(self) -> dict[str, dict[str, int]]:
+    def stop(self) -> dict[str, dict[str, float]]:
         stats = self.stats()
         self.conn.send("stop")
         self.process.join(10)
@@ -349,6 +379,7 @@ def main() -> None:
             "spread": spread(first_shares),
             "server_max_in_flight": {n: s["max_in_flight"] for n, s in first_stats.items()},
             "server_max_requests_in_1s": {n: s["max_starts_sliding_1s"] for n, s in first_stats.items()},
+            "server_slots": slot_report(first_stats, args.in_flight),
             "cores": first_cpu,
         },
         "resync": {
@@ -363,6 +394,7 @@ def main() -> None:
             "spread": spread(resync_shares),
             "server_max_in_flight": {n: s["max_in_flight"] for n, s in resync_stats.items()},
             "server_max_requests_in_1s": {n: s["max_starts_sliding_1s"] for n, s in resync_stats.items()},
+            "server_slots": slot_report(resync_stats, args.in_flight),
             "cores": resync_cpu,
         },
     }
