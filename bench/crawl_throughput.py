@@ -51,6 +51,7 @@ from tq_pipelines.defs.jobs import drain_tasks_job  # noqa: E402
 from tq_pipelines.defs.resources import CrawlResource, QueueResource  # noqa: E402
 from tq_pipelines.queue.api import TaskQueue  # noqa: E402
 from tq_pipelines_demo.simulator import (  # noqa: E402
+    LogEntry,
     PlatformProfile,
     Simulator,
     platforms_toml,
@@ -70,23 +71,22 @@ def _serve(profiles: list[PlatformProfile], offset: float, conn: Any) -> None:
     simulator.start()
     conn.send({n: p.base_url for n, p in simulator.platforms.items()})
     while conn.recv() == "stats":
-        conn.send(
-            {
-                n: {
-                    "requests": p.stats.requests,
-                    "max_in_flight": p.stats.max_in_flight,
-                    "max_starts_sliding_1s": politeness_report(
-                        p.request_log(), max_in_flight=p.stats.max_in_flight, requests_per_second=1, burst=0
-                    )["max_starts_sliding_1s"],
-                    **occupancy(p.request_log()),
-                }
-                for n, p in simulator.platforms.items()
+        stats = {}
+        for n, p in simulator.platforms.items():
+            log = p.request_log()  # a copy, taken under the server's lock: once per platform
+            stats[n] = {
+                "requests": p.stats.requests,
+                "max_in_flight": p.stats.max_in_flight,
+                "max_starts_sliding_1s": politeness_report(
+                    log, max_in_flight=p.stats.max_in_flight, requests_per_second=1, burst=0
+                )["max_starts_sliding_1s"],
+                **occupancy(log),
             }
-        )
+        conn.send(stats)
     simulator.stop()
 
 
-def occupancy(log: list[tuple[float, float, int]]) -> dict[str, float]:
+def occupancy(log: list[LogEntry]) -> dict[str, float]:
     """From the server's own log: the seconds from the first arrival to the last departure, and
     the seconds of requests in flight over that span (their sum: the mean in flight times the
     span)."""
