@@ -21,7 +21,9 @@ instead of the path alone. Both may name another server, or this one by another 
 """
 
 import bisect
+import contextlib
 import json
+import multiprocessing as mp
 import random
 import threading
 import time
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlencode, urlsplit
+from urllib.request import urlopen
 
 REGIONS = ("north", "south", "east")
 CATEGORIES = ("flower", "vape", "edible", "preroll", "concentrate", "tincture")
@@ -346,8 +349,8 @@ class SimulatedPlatform:
 class Simulator:
     """Several platforms, started and stopped together."""
 
-    def __init__(self, profiles: list[PlatformProfile]) -> None:
-        started = time.time()
+    def __init__(self, profiles: list[PlatformProfile], *, started_at: float | None = None) -> None:
+        started = time.time() if started_at is None else started_at
         self.platforms = {p.name: SimulatedPlatform(p, started_at=started) for p in profiles}
 
     def start(self) -> "Simulator":
@@ -387,6 +390,66 @@ class Simulator:
             )
             for name, (max_in_flight, rps, burst) in limits.items()
         }
+
+
+def _serve_in_process(profiles: list[PlatformProfile], started_at: float, conn: Any) -> None:
+    """A SimulatorProcess's process: serves until told to stop (anything on ``conn``)."""
+    simulator = Simulator(profiles, started_at=started_at).start()
+    conn.send({n: p.base_url for n, p in simulator.platforms.items()})
+    conn.recv()
+    simulator.stop()
+
+
+class RemotePlatform:
+    """A platform served by a :class:`SimulatorProcess`: its stores (the same seed, the same stores),
+    its server's ``base_url``, and its server's request log, read from the server (``/_stats``)."""
+
+    def __init__(self, platform: SimulatedPlatform, base_url: str) -> None:
+        self.profile = platform.profile
+        self.stores = platform.stores
+        self.by_platform_id = platform.by_platform_id
+        self.base_url = base_url
+
+    def request_log(self) -> list[LogEntry]:
+        """As :meth:`SimulatedPlatform.request_log`, from the server's process."""
+        with urlopen(f"{self.base_url}/_stats?log=1", timeout=60) as answer:
+            return [(a, d, s) for a, d, s in json.load(answer)["log"]]
+
+
+class SimulatorProcess:
+    """The simulator in a process of its own, as a platform's servers are: the arrivals they log are
+    stamped by a process the client cannot stall. Served from the client's own process, a request
+    that reached the socket on time is stamped late when that process stalls (a garbage collection,
+    a thread waiting for the interpreter lock), and lands next to the one after it: a polite
+    client would look rude at the server. ``stop()`` ends the process."""
+
+    def __init__(self, profiles: list[PlatformProfile]) -> None:
+        started = time.time()
+        local = Simulator(profiles, started_at=started)  # the stores, not served
+        ctx = mp.get_context("spawn")  # not fork: the caller may hold threads and connections
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve_in_process, args=(profiles, started, child), daemon=True)
+        self.process.start()
+        if not self._conn.poll(60):
+            self.process.kill()
+            raise RuntimeError("the simulator's process did not start within 60 s")
+        urls: dict[str, str] = self._conn.recv()
+        self.platforms = {n: RemotePlatform(p, urls[n]) for n, p in local.platforms.items()}
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send("stop")
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+    def __enter__(self) -> "SimulatorProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def politeness_report(

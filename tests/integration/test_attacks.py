@@ -35,7 +35,7 @@ from tq_pipelines.crawl.platforms import load_platform_settings, sync_limits
 from tq_pipelines.db.grant import DEFAULT_WORKER_SETTINGS, GrantError, check, grant
 from tq_pipelines.db.migrate import LOCK_KEY, MigrationError, migrate
 from tq_pipelines.queue.api import QueueInputError, TaskQueue
-from tq_pipelines_demo.simulator import PlatformProfile, Simulator, politeness_report
+from tq_pipelines_demo.simulator import PlatformProfile, SimulatorProcess, politeness_report
 
 ROLE = "product_resync"
 MB = 1_048_576
@@ -583,7 +583,7 @@ def test_a_crawl_of_tasks_enqueued_with_no_wrong_or_right_platform_keeps_the_lim
     for name in ("TQ_PLATFORMS_FILE", "TQ_HANDLERS", "TQ_ROLE_CAPS", "TQ_ALERT_WEBHOOK_URL"):
         monkeypatch.delenv(name, raising=False)
     common = {"stores": 12, "latency_ms": 120, "jitter": 0.3, "change_seconds": 86_400, "seed": 5}
-    sim = Simulator([PlatformProfile(name, **common) for name in ("dutchie", "jane")]).start()
+    sim = SimulatorProcess([PlatformProfile(name, **common) for name in ("dutchie", "jane")])
     try:
         path = platforms_file(
             tmp_path, sim, {n: {**LIMITS, "timeout_seconds": 5} for n in ("dutchie", "jane")}

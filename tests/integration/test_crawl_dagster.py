@@ -37,7 +37,7 @@ from tq_pipelines.defs.schedules import (
 from tq_pipelines.defs.sensors.alerts import HealthThresholds, queue_health_sensor
 from tq_pipelines.queue.api import TaskQueue
 from tq_pipelines_demo.dagster import demo_crawl_job, demo_crawl_schedule
-from tq_pipelines_demo.simulator import REGIONS, PlatformProfile, Simulator, platforms_toml
+from tq_pipelines_demo.simulator import REGIONS, PlatformProfile, Simulator, SimulatorProcess, platforms_toml
 
 PLATFORMS = ("dutchie", "jane")
 STORES = 12  # per platform: four per region
@@ -623,7 +623,9 @@ def evaluate_health(
         return queue_health_sensor.evaluate_tick(ctx)
 
 
-def add_simulated_stores(conn: psycopg.Connection, queue: TaskQueue, sim: Simulator) -> dict[int, str]:
+def add_simulated_stores(
+    conn: psycopg.Connection, queue: TaskQueue, sim: Simulator | SimulatorProcess
+) -> dict[int, str]:
     """The simulator's stores as resolved stores, each with a product_discovery task; returns
     dispensary id -> platform."""
     platform_of = {}

@@ -28,7 +28,13 @@ from tq_pipelines.crawl.handlers import crawl_menu
 from tq_pipelines.crawl.platforms import CrawlServices, load_platform_settings, sync_limits
 from tq_pipelines.queue.api import JSON, Task, TaskQueue
 from tq_pipelines.queue.worker import TaskContext, Worker
-from tq_pipelines_demo.simulator import PlatformProfile, Simulator, platforms_toml, politeness_report
+from tq_pipelines_demo.simulator import (
+    PlatformProfile,
+    Simulator,
+    SimulatorProcess,
+    platforms_toml,
+    politeness_report,
+)
 
 PLATFORMS = ("dutchie", "jane")
 ROLE = "product_discovery"
@@ -42,31 +48,46 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.fixture
-def simulate() -> Iterator[Callable[..., Simulator]]:
-    """``simulate(stores=40, latency_ms=60, jane={"rate_500": 1.0})``: a started simulator of
-    PLATFORMS (each with its own profile settings, if given) whose menus do not change during a
-    test. Stopped at the end."""
-    started: list[Simulator] = []
+def profiles_of(stores: int, latency_ms: float, profiles: dict[str, dict[str, Any]]) -> list[PlatformProfile]:
+    """PLATFORMS' profiles, each with its own settings if given; menus do not change in a test."""
+    common = {"stores": stores, "latency_ms": latency_ms, "jitter": 0.5, "change_seconds": 86_400, "seed": 11}
+    return [PlatformProfile(name, **(common | profiles.get(name, {}))) for name in PLATFORMS]
 
-    def start(*, stores: int, latency_ms: float, **profiles: dict[str, Any]) -> Simulator:
-        common = {
-            "stores": stores,
-            "latency_ms": latency_ms,
-            "jitter": 0.5,
-            "change_seconds": 86_400,
-            "seed": 11,
-        }
-        sim = Simulator([PlatformProfile(name, **(common | profiles.get(name, {}))) for name in PLATFORMS])
-        started.append(sim)
-        return sim.start()
+
+@pytest.fixture
+def simulate() -> Iterator[Callable[..., SimulatorProcess]]:
+    """``simulate(stores=40, latency_ms=60, jane={"rate_500": 1.0})``: a started simulator of
+    PLATFORMS in a process of its own: the arrivals it logs are the platforms' clock, which a stall
+    of the drains' process (pytest's, here) does not move. Stopped at the end."""
+    started: list[SimulatorProcess] = []
+
+    def start(*, stores: int, latency_ms: float, **profiles: dict[str, Any]) -> SimulatorProcess:
+        started.append(SimulatorProcess(profiles_of(stores, latency_ms, profiles)))
+        return started[-1]
 
     yield start
     for sim in started:
         sim.stop()
 
 
-def platforms_file(tmp_path: Path, sim: Simulator, per_platform: dict[str, dict[str, Any]]) -> Path:
+@pytest.fixture
+def simulate_here() -> Iterator[Callable[..., Simulator]]:
+    """As ``simulate``, served from the test's own process, so that a test can change a platform's
+    behaviour as it runs; its arrival times can be late by a stall of this process."""
+    started: list[Simulator] = []
+
+    def start(*, stores: int, latency_ms: float, **profiles: dict[str, Any]) -> Simulator:
+        started.append(Simulator(profiles_of(stores, latency_ms, profiles)).start())
+        return started[-1]
+
+    yield start
+    for sim in started:
+        sim.stop()
+
+
+def platforms_file(
+    tmp_path: Path, sim: Simulator | SimulatorProcess, per_platform: dict[str, dict[str, Any]]
+) -> Path:
     """A platforms file for the simulator with each platform's own settings."""
     return write_platforms(
         tmp_path,
@@ -144,7 +165,7 @@ def test_drain_runs_at_once_keep_each_platforms_limits_at_the_server(
     db_url: str,
     conn: psycopg.Connection,
     queue: TaskQueue,
-    simulate: Callable[..., Simulator],
+    simulate: Callable[..., SimulatorProcess],
     tmp_path: Path,
 ):
     stores = 40
@@ -216,11 +237,11 @@ def test_an_outage_pauses_its_platform_for_the_run_without_spending_retries(
     db_url: str,
     conn: psycopg.Connection,
     queue: TaskQueue,
-    simulate: Callable[..., Simulator],
+    simulate_here: Callable[..., Simulator],
     tmp_path: Path,
 ):
     stores, max_in_flight = 24, 2
-    sim = simulate(
+    sim = simulate_here(
         stores=stores,
         latency_ms=30,
         dutchie={
@@ -302,7 +323,7 @@ def test_a_5xx_burst_pauses_the_platform_and_the_rest_wait_untried(
     db_url: str,
     conn: psycopg.Connection,
     queue: TaskQueue,
-    simulate: Callable[..., Simulator],
+    simulate: Callable[..., SimulatorProcess],
     tmp_path: Path,
 ):
     stores, max_in_flight, pause_after = 12, 2, 3
@@ -356,7 +377,7 @@ def test_redirect_hops_are_requests_under_the_platforms_rate(
     db_url: str,
     conn: psycopg.Connection,
     queue: TaskQueue,
-    simulate: Callable[..., Simulator],
+    simulate: Callable[..., SimulatorProcess],
     tmp_path: Path,
 ):
     stores, rate, burst = 8, 4, 1
@@ -444,7 +465,7 @@ def test_a_handler_meeting_a_paused_platform_defers_without_a_retry(
     db_url: str,
     conn: psycopg.Connection,
     queue: TaskQueue,
-    simulate: Callable[..., Simulator],
+    simulate: Callable[..., SimulatorProcess],
     tmp_path: Path,
 ):
     sim = simulate(stores=1, latency_ms=5)
@@ -508,7 +529,7 @@ def late_then_fetch(late: int, seconds: float) -> Callable[[Task, TaskContext], 
 def test_requests_that_miss_their_start_take_new_ones(
     conn: psycopg.Connection,
     queue: TaskQueue,
-    simulate: Callable[..., Simulator],
+    simulate: Callable[..., SimulatorProcess],
     tmp_path: Path,
 ):
     """A claim of five tasks gives their first requests the starts 0, 0.25 ... 1 s (4/s, burst 1);

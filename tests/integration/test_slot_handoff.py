@@ -32,7 +32,7 @@ from tests.integration.test_crawl_politeness import (  # noqa: F401 (fixtures)
     simulate,
 )
 from tq_pipelines.queue.api import PlatformLimits, TaskQueue
-from tq_pipelines_demo.simulator import Simulator, politeness_report
+from tq_pipelines_demo.simulator import SimulatorProcess, politeness_report
 
 
 def only(conn: psycopg.Connection, platform: str) -> None:
@@ -44,7 +44,7 @@ def test_a_freed_slot_goes_to_the_next_task_of_its_platform_at_once(
     db_url: str,
     conn: psycopg.Connection,
     queue: TaskQueue,
-    simulate: Callable[..., Simulator],  # noqa: F811 (the fixture)
+    simulate: Callable[..., SimulatorProcess],  # noqa: F811 (the fixture)
     tmp_path: Path,
 ):
     stores, max_in_flight = 30, 3
@@ -82,7 +82,7 @@ def test_drain_runs_share_a_platform_evenly(
     db_url: str,
     conn: psycopg.Connection,
     queue: TaskQueue,
-    simulate: Callable[..., Simulator],  # noqa: F811 (the fixture)
+    simulate: Callable[..., SimulatorProcess],  # noqa: F811 (the fixture)
     tmp_path: Path,
 ):
     stores, max_in_flight, runs = 80, 4, 4
@@ -123,7 +123,7 @@ def test_a_timed_out_request_keeps_its_slot_until_the_platform_is_done_with_it(
     db_url: str,
     conn: psycopg.Connection,
     queue: TaskQueue,
-    simulate: Callable[..., Simulator],  # noqa: F811 (the fixture)
+    simulate: Callable[..., SimulatorProcess],  # noqa: F811 (the fixture)
     tmp_path: Path,
 ):
     # One slot; every request outlasts the client's timeout (0.3 s) and runs on at the server for

@@ -1,6 +1,9 @@
 """The menu simulator's counting at the server: the per-request log, the one-off outage window, and
 ``politeness_report`` (requests in flight, request starts per second) over synthetic and real logs."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -12,8 +15,10 @@ import pytest
 from tq_pipelines_demo.simulator import (
     LOG_MAX,
     PlatformProfile,
+    RemotePlatform,
     SimulatedPlatform,
     Simulator,
+    SimulatorProcess,
     Stats,
     politeness_report,
 )
@@ -336,3 +341,56 @@ def test_hops_and_menu_urls_are_paths_unless_a_base_is_set(
         time.sleep(0.01)
     assert platform.stats.requests == 2
     assert dict(platform.stats.answers) == {302: 1, 200: 1}
+
+
+def stamp_during_a_stall(platform: SimulatedPlatform | RemotePlatform) -> tuple[float, float, float]:
+    """Another process sends ``platform`` one request while this process holds the interpreter lock
+    (as a long garbage collection would); returns (when it was sent, when the server stamped its
+    arrival, when the stall ended), ``time.time()`` floats."""
+    send_at = time.time() + 0.5
+    client = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, urllib.request\n"
+            f"time.sleep(max(0.0, {send_at!r} - time.time()))\n"
+            "sent = time.time()\n"
+            f"urllib.request.urlopen({platform.base_url + '/stores'!r}, timeout=30).read()\n"
+            "print(sent)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)  # this thread keeps the lock while it runs: the server's waits
+    try:
+        stall_end = send_at + 1.5
+        while time.time() < stall_end:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+    out, _ = client.communicate(timeout=30)
+    [(arrival, _, status)] = platform.request_log()
+    assert status == 200
+    return float(out), arrival, stall_end
+
+
+def test_a_simulator_in_its_own_process_stamps_arrivals_that_the_clients_process_cannot_stall() -> None:
+    """The drains run in the test's process: a server there stamps a request that reached its
+    socket on time only once the process runs again, next to the requests sent after it, so a
+    polite client would look rude. A SimulatorProcess stamps it as it came."""
+    profile = PlatformProfile("tiny", stores=3, latency_ms=1, jitter=0.0)
+
+    with Simulator([profile]) as here:
+        sent, arrival, stall_end = stamp_during_a_stall(here.platforms["tiny"])
+    assert sent < stall_end - 0.5, "the request went out after the stall: nothing measured"
+    assert arrival >= stall_end - 0.05  # stamped after the stall, not when it came
+
+    with SimulatorProcess([profile]) as remote:
+        platform = remote.platforms["tiny"]
+        assert remote.process.pid is not None and remote.process.pid != os.getpid()
+        assert platform.stores == SimulatedPlatform(profile).stores  # the same seed, the same stores
+        sent, arrival, stall_end = stamp_during_a_stall(platform)
+    assert sent < stall_end - 0.5, "the request went out after the stall: nothing measured"
+    assert arrival - sent < 0.2  # stamped as it came, in the stall
+    assert not remote.process.is_alive()
