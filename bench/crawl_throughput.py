@@ -54,6 +54,7 @@ from tq_pipelines_demo.simulator import (  # noqa: E402
     LogEntry,
     PlatformProfile,
     Simulator,
+    SimulatorProcess,
     platforms_toml,
     politeness_report,
 )
@@ -62,28 +63,22 @@ NAMES = ("dutchie", "jane", "treez", "weedmaps", "leafly", "meadow")
 CHANGE_SECONDS = 600.0
 
 
-def _serve(profiles: list[PlatformProfile], offset: float, conn: Any) -> None:
-    """The simulator process: serves; on "stats" sends back its counters and the most requests
-    that reached each platform in any one second (from its own log); on "stop" stops."""
-    simulator = Simulator(profiles)
-    for p in simulator.platforms.values():
-        p.started_at -= offset
-    simulator.start()
-    conn.send({n: p.base_url for n, p in simulator.platforms.items()})
-    while conn.recv() == "stats":
-        stats = {}
-        for n, p in simulator.platforms.items():
-            log = p.request_log()  # a copy, taken under the server's lock: once per platform
-            stats[n] = {
-                "requests": p.stats.requests,
-                "max_in_flight": p.stats.max_in_flight,
-                "max_starts_sliding_1s": politeness_report(
-                    log, max_in_flight=p.stats.max_in_flight, requests_per_second=1, burst=0
-                )["max_starts_sliding_1s"],
-                **occupancy(log),
-            }
-        conn.send(stats)
-    simulator.stop()
+def server_stats(sim: SimulatorProcess) -> dict[str, dict[str, Any]]:
+    """Per platform, from its server's counters and its own log: requests, the most in flight
+    and the most that arrived in any one second, and its occupancy."""
+    stats = {}
+    for n, p in sim.platforms.items():
+        served = p.server_stats(log=True)
+        log: list[LogEntry] = [(a, d, s) for a, d, s in served["log"]]
+        stats[n] = {
+            "requests": served["requests"],
+            "max_in_flight": served["max_in_flight"],
+            "max_starts_sliding_1s": politeness_report(
+                log, max_in_flight=served["max_in_flight"], requests_per_second=1, burst=0
+            )["max_starts_sliding_1s"],
+            **occupancy(log),
+        }
+    return stats
 
 
 def occupancy(log: list[LogEntry]) -> dict[str, float]:
@@ -111,27 +106,6 @@ def slot_report(stats: dict[str, dict[str, Any]], slots: int) -> dict[str, dict[
         }
         for n, s in stats.items()
     }
-
-
-class SimulatorProcess:
-    def __init__(self, profiles: list[PlatformProfile], offset: float) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(profiles, offset, child), daemon=True)
-        self.process.start()
-        self.urls: dict[str, str] = self.conn.recv()
-        self.pid = self.process.pid or 0
-
-    def stats(self) -> dict[str, dict[str, float]]:
-        self.conn.send("stats")
-        stats: dict[str, dict[str, float]] = self.conn.recv()
-        return stats
-
-    def stop(self) -> dict[str, dict[str, float]]:
-        stats = self.stats()
-        self.conn.send("stop")
-        self.process.join(10)
-        return stats
 
 
 def platforms_file(folder: Path, urls: dict[str, str], in_flight: int, rate: float = 10000) -> Path:
@@ -311,7 +285,7 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="tq-crawl-bench-"))
 
     # 1. First crawl.
-    sim = SimulatorProcess(profiles, offset=0)
+    sim = SimulatorProcess(profiles)
     with psycopg.connect(url, autocommit=True) as conn:
         # Platforms in turn, as generate_resync_tasks orders a batch.
         conn.execute(
@@ -320,20 +294,21 @@ def main() -> None:
             " ORDER BY row_number() OVER (PARTITION BY menu_type ORDER BY id), menu_type, id"
         )
     path = platforms_file(folder, sim.urls, args.in_flight, limit_rate)
-    first, first_cpu = drain_runs(url, "product_discovery", path, args.pool, args.runs, sim.pid)
+    first, first_cpu = drain_runs(url, "product_discovery", path, args.pool, args.runs, sim.process.pid or 0)
     first_n, first_rate = rate(url, "product_discovery")
     first_shares = shares(url, "product_discovery")
-    first_stats = sim.stop()
+    first_stats = server_stats(sim)
+    sim.stop()
     new_history = history_rows(url)
 
     # 2-3. Menus moved on; the day's resync.
-    sim = SimulatorProcess(profiles, offset=CHANGE_SECONDS * args.changed_versions)
+    sim = SimulatorProcess(profiles, started_at=time.time() - CHANGE_SECONDS * args.changed_versions)
     with TaskQueue.connect(url) as queue:
         generated = queue.generate_resync(
             day=datetime.now(UTC).date(), batches_per_day=1, platforms=[p.name for p in profiles]
         )
     path = platforms_file(folder, sim.urls, args.in_flight, limit_rate)
-    resync, resync_cpu = drain_runs(url, "product_resync", path, args.pool, args.runs, sim.pid)
+    resync, resync_cpu = drain_runs(url, "product_resync", path, args.pool, args.runs, sim.process.pid or 0)
     resync_n, resync_rate = rate(url, "product_resync")
     resync_shares = shares(url, "product_resync")
     with psycopg.connect(url) as conn:
@@ -341,7 +316,7 @@ def main() -> None:
             "SELECT count(*) FILTER (WHERE NOT (result->>'unchanged')::boolean) FROM worker_tasks"
             " WHERE role = 'product_resync' AND status = 'completed'"
         ).fetchone()[0]  # type: ignore[index]
-    resync_stats = sim.stats()  # before the probe's own requests
+    resync_stats = server_stats(sim)  # before the probe's own requests
     # 4. The bound, on the same simulator.
     latency = probe_latency(sim.urls, url)
     sim.stop()

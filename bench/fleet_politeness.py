@@ -49,6 +49,7 @@ from tq_pipelines.queue.api import TaskQueue  # noqa: E402
 from tq_pipelines_demo.simulator import (  # noqa: E402
     PlatformProfile,
     Simulator,
+    SimulatorProcess,
     platforms_toml,
     politeness_report,
 )
@@ -58,41 +59,6 @@ MAX_IN_FLIGHT = 3
 RATE = 12.0
 BURST = 3
 LATENCY_MS = 80.0
-
-
-# -- the simulator, in its own process ------------------------------------------------------------
-
-
-def _serve(profiles: list[PlatformProfile], conn: Any) -> None:
-    simulator = Simulator(profiles).start()
-    conn.send(
-        {
-            "urls": {n: p.base_url for n, p in simulator.platforms.items()},
-            "outages": {n: p.outage_window() for n, p in simulator.platforms.items()},
-        }
-    )
-    conn.recv()  # stop
-    logs = {n: p.request_log() for n, p in simulator.platforms.items()}
-    simulator.stop()
-    conn.send(logs)
-
-
-class SimulatorProcess:
-    def __init__(self, profiles: list[PlatformProfile]) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(profiles, child), daemon=True)
-        self.process.start()
-        hello = self.conn.recv()
-        self.urls: dict[str, str] = hello["urls"]
-        self.outages: dict[str, tuple[float, float] | None] = hello["outages"]
-
-    def stop(self) -> dict[str, list[tuple[float, float, int]]]:
-        """Stops the servers; returns each platform's request log."""
-        self.conn.send("stop")
-        logs: dict[str, list[tuple[float, float, int]]] = self.conn.recv()
-        self.process.join(10)
-        return logs
 
 
 def profiles(stores: dict[str, int], **faults: Any) -> list[PlatformProfile]:
@@ -304,7 +270,8 @@ def fleet(server: str, folder: Path, stores: int, runs_per_role: int) -> dict[st
         done_at = wait_until_done(url, HTTP_ROLES, timeout=900)
     finally:
         totals = runs.stop()
-    logs = sim.stop()
+    logs = sim.request_logs()
+    sim.stop()
     return {
         "stores": stores * len(NAMES),
         "drain_processes": runs_per_role * len(HTTP_ROLES),
@@ -337,7 +304,9 @@ def crawl_resolved(
         wait_until_done(url, ("product_discovery",), timeout=timeout)
     finally:
         totals = fleet_runs.stop()
-    return loaded, sim, latency, totals, sim.stop()
+    logs = sim.request_logs()
+    sim.stop()
+    return loaded, sim, latency, totals, logs
 
 
 def first_crawl(server: str, stores: int, runs: int) -> dict[str, Any]:
@@ -376,7 +345,7 @@ def outage(
     loaded, sim, latency, totals, logs = crawl_resolved(
         url, profiles(counts, **{down: outage_fault}), runs, timeout=1800
     )
-    window = sim.outages[down]
+    window = sim.platforms[down].outage_window()
     assert window is not None
     t0, t1 = window
     # The others' pace while it is down, from their answers (a steady second after it began).

@@ -405,15 +405,26 @@ class RemotePlatform:
     its server's ``base_url``, and its server's request log, read from the server (``/_stats``)."""
 
     def __init__(self, platform: SimulatedPlatform, base_url: str) -> None:
+        self._platform = platform
         self.profile = platform.profile
         self.stores = platform.stores
         self.by_platform_id = platform.by_platform_id
         self.base_url = base_url
 
+    def outage_window(self) -> tuple[float, float] | None:
+        """As :meth:`SimulatedPlatform.outage_window` (the same profile, the same start)."""
+        return self._platform.outage_window()
+
+    def server_stats(self, *, log: bool = False) -> dict[str, Any]:
+        """The server's ``/_stats``: requests, in_flight, max_in_flight, answers, logged (and with
+        ``log``, the request log as lists)."""
+        with urlopen(f"{self.base_url}/_stats?log={int(log)}", timeout=60) as answer:
+            stats: dict[str, Any] = json.load(answer)
+        return stats
+
     def request_log(self) -> list[LogEntry]:
         """As :meth:`SimulatedPlatform.request_log`, from the server's process."""
-        with urlopen(f"{self.base_url}/_stats?log=1", timeout=60) as answer:
-            return [(a, d, s) for a, d, s in json.load(answer)["log"]]
+        return [(a, d, s) for a, d, s in self.server_stats(log=True)["log"]]
 
 
 class SimulatorProcess:
@@ -421,10 +432,11 @@ class SimulatorProcess:
     stamped by a process the client cannot stall. Served from the client's own process, a request
     that reached the socket on time is stamped late when that process stalls (a garbage collection,
     a thread waiting for the interpreter lock), and lands next to the one after it: a polite
-    client would look rude at the server. ``stop()`` ends the process."""
+    client would look rude at the server. ``started_at`` (default now) is the fleet's time zero,
+    earlier to start with menus already moved on. ``stop()`` ends the process."""
 
-    def __init__(self, profiles: list[PlatformProfile]) -> None:
-        started = time.time()
+    def __init__(self, profiles: list[PlatformProfile], *, started_at: float | None = None) -> None:
+        started = time.time() if started_at is None else started_at
         local = Simulator(profiles, started_at=started)  # the stores, not served
         ctx = mp.get_context("spawn")  # not fork: the caller may hold threads and connections
         self._conn, child = ctx.Pipe()
@@ -435,6 +447,14 @@ class SimulatorProcess:
             raise RuntimeError("the simulator's process did not start within 60 s")
         urls: dict[str, str] = self._conn.recv()
         self.platforms = {n: RemotePlatform(p, urls[n]) for n, p in local.platforms.items()}
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {n: p.base_url for n, p in self.platforms.items()}
+
+    def request_logs(self) -> dict[str, list[LogEntry]]:
+        """Every platform's request log, by name."""
+        return {n: p.request_log() for n, p in self.platforms.items()}
 
     def stop(self) -> None:
         if self.process.is_alive():
