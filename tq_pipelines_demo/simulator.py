@@ -8,7 +8,9 @@ the wall clock, and a one-off one at a set time after the start.
 Each server counts requests, answers and the most requests it ever had in flight, and logs every request's
 arrival, departure and status, so that the crawler's politeness can be measured where the requests land:
 ``politeness_report`` turns such a log into the most requests in flight at once and request starts per
-second (calendar and sliding), overall and in given time windows (an outage, say).
+second (calendar and sliding), overall and in given time windows (an outage, say). ``SimulatorProcess``
+serves the same fleet from a process of its own, as a platform's servers are, so that a stall of the
+client's process cannot move the arrival times its servers log.
 
 Besides the generic adapter's routes, ``GET /go/<path...>`` answers 302 with ``Location: /<path...>`` (the
 query string kept), so that a ``menu_path`` or ``menu_url`` under ``/go/`` makes every fetch two requests: a
