@@ -59,7 +59,7 @@ CREATE TABLE public.worker_tasks (
     CONSTRAINT valid_retries CHECK (((retry_count >= 0) AND (max_retries >= 0))),
     CONSTRAINT valid_status CHECK (((status)::text = ANY ((ARRAY['pending'::character varying, 'claimed'::character varying, 'running'::character varying, 'completed'::character varying, 'failed'::character varying, 'cancelled'::character varying])::text[])))
 )
-WITH (autovacuum_vacuum_scale_factor='0.01', autovacuum_vacuum_threshold='5000', autovacuum_vacuum_insert_scale_factor='0.02', autovacuum_analyze_scale_factor='0.01');
+WITH (autovacuum_vacuum_scale_factor='0.01', autovacuum_vacuum_threshold='5000', autovacuum_vacuum_insert_scale_factor='0.02', autovacuum_analyze_scale_factor='0.01', parallel_workers='0');
 
 
 --
@@ -2840,7 +2840,7 @@ CREATE TABLE public.tq_platforms (
     CONSTRAINT tq_platforms_platform_check CHECK (((platform)::text <> ''::text)),
     CONSTRAINT tq_platforms_requests_per_second_check CHECK (((requests_per_second >= (0.001)::double precision) AND (requests_per_second <= (10000)::double precision)))
 )
-WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='100', autovacuum_vacuum_cost_delay='0');
+WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='100', autovacuum_vacuum_cost_delay='0', parallel_workers='0');
 
 
 --
@@ -3436,7 +3436,7 @@ CREATE TABLE public.worker_registry (
     CONSTRAINT valid_worker_status CHECK (((status)::text = ANY ((ARRAY['active'::character varying, 'idle'::character varying, 'offline'::character varying])::text[]))),
     CONSTRAINT worker_registry_heartbeat_seconds_check CHECK ((heartbeat_seconds > (0)::double precision))
 )
-WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='200', autovacuum_vacuum_cost_delay='0');
+WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='200', autovacuum_vacuum_cost_delay='0', parallel_workers='0');
 
 
 --
@@ -4648,7 +4648,8 @@ CREATE TABLE public.task_completion_log (
     max_duration_sec numeric(10,2),
     updated_at timestamp with time zone DEFAULT now(),
     CONSTRAINT valid_hour CHECK (((hour >= 0) AND (hour <= 23)))
-);
+)
+WITH (parallel_workers='0');
 
 
 --
@@ -4988,7 +4989,7 @@ CREATE TABLE public.worker_tallies (
     completed integer DEFAULT 0 NOT NULL,
     failed integer DEFAULT 0 NOT NULL
 )
-WITH (autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='500', autovacuum_vacuum_cost_delay='0');
+WITH (autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='500', autovacuum_vacuum_cost_delay='0', parallel_workers='0');
 
 
 --
@@ -5061,7 +5062,7 @@ CREATE TABLE public.worker_task_floors (
     priority integer NOT NULL,
     swept_at timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL
 )
-WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='100', autovacuum_vacuum_cost_delay='0');
+WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='100', autovacuum_vacuum_cost_delay='0', parallel_workers='0');
 
 
 --
@@ -5090,7 +5091,7 @@ CREATE TABLE public.worker_task_heads (
     recheck_at timestamp with time zone,
     platform character varying(50) DEFAULT ''::character varying NOT NULL
 )
-WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='500', autovacuum_vacuum_cost_delay='0');
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='500', autovacuum_vacuum_cost_delay='0', parallel_workers='0');
 
 
 --
@@ -5108,7 +5109,7 @@ CREATE TABLE public.worker_task_stores (
     dispensary_id integer NOT NULL,
     active_task_id integer
 )
-WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='500', autovacuum_vacuum_cost_delay='0');
+WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='500', autovacuum_vacuum_cost_delay='0', parallel_workers='0');
 
 
 --

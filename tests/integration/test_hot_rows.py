@@ -358,3 +358,40 @@ def test_heads_written_during_raises_are_never_stranded(db_url: str, conn: psyco
     assert not errors, errors
     assert len(claimed) == len(set(claimed)) == len(stores)
     assert_store_state_consistent(conn)
+
+
+# The queue's tables whose scans run in one process (migration 0021).
+SERIAL_TABLES = (
+    "worker_tasks",
+    "worker_task_heads",
+    "worker_task_stores",
+    "worker_registry",
+    "worker_tallies",
+    "worker_task_floors",
+    "tq_platforms",
+    "task_completion_log",
+)
+
+
+def test_an_analysts_scan_of_a_queue_table_runs_in_one_process(conn: psycopg.Connection, queue: TaskQueue):
+    """With parallel plans made free, a count over each queue table still plans no workers; take
+    the table's setting back and the same count plans a Gather: the setting is what holds it."""
+    for s in add_stores(conn, 20):
+        queue.enqueue(ROLE, s)
+    for setting in (
+        "parallel_setup_cost = 0",
+        "parallel_tuple_cost = 0",
+        "min_parallel_table_scan_size = 0",
+        "min_parallel_index_scan_size = 0",
+        "max_parallel_workers_per_gather = 2",
+    ):
+        conn.execute(f"SET {setting}")
+
+    def plan(table: str) -> str:
+        return "\n".join(r[0] for r in conn.execute(f"EXPLAIN SELECT count(*) FROM {table}"))
+
+    for table in SERIAL_TABLES:
+        assert "Gather" not in plan(table), f"a scan of {table} plans parallel workers:\n{plan(table)}"
+    for table in SERIAL_TABLES:
+        conn.execute(f"ALTER TABLE {table} RESET (parallel_workers)")
+        assert "Gather" in plan(table), f"{table} without the setting: no parallel plan to prevent"
