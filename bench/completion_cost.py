@@ -16,9 +16,7 @@ Each handler's commit waits for its WAL flush, which bounds both modes alike on 
 ``--synchronous-commit off`` (set in the workers' sessions only) shows the work besides the flush.
 """
 
-import argparse
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
@@ -31,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from psycopg.conninfo import make_conninfo
 
-from bench.queue_throughput import load, recreate_db
+from bench.queue_throughput import load, recreate_db, server_parser
 from tq_pipelines.db.migrate import migrate
 from tq_pipelines.queue.api import Task, TaskQueue
 from tq_pipelines.queue.worker import TaskContext, Worker
@@ -99,14 +97,7 @@ def audit(url: str, tasks: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--url",
-        default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
-        help="a server where the bench may create databases",
-    )
+    parser = server_parser(__doc__)
     parser.add_argument("--tasks", type=int, default=5000)
     parser.add_argument("--stores", type=int, default=500)
     parser.add_argument("--workers", default="1,4", help="worker processes, one case each")

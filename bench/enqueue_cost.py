@@ -24,8 +24,6 @@ Where the time goes, per schema: the triggers of one bare INSERT as EXPLAIN ANAL
 that is less the functions it calls, per call of the kind).
 """
 
-import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -36,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from psycopg import sql
 
-from bench.queue_throughput import recreate_db
+from bench.queue_throughput import recreate_db, server_parser
 from tq_pipelines.db.migrate import load_migrations, migrate
 
 ROLE = "product_resync"
@@ -189,14 +187,7 @@ def triggers(url: str, statements: int) -> list[tuple[str, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--url",
-        default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
-        help="a server where the bench may create databases",
-    )
+    parser = server_parser(__doc__)
     parser.add_argument("--calls", type=int, default=2000, help="calls per loop (at most --stores)")
     parser.add_argument("--stores", type=int, default=5000)
     parser.add_argument("--history", type=int, default=100000, help="finished tasks in the queue")

@@ -21,7 +21,6 @@ two columns share the machine's state. The last table gives dead tuples per task
 table, at the end.
 """
 
-import argparse
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.queue_throughput import recreate_db, reset_stores
+from bench.queue_throughput import recreate_db, reset_stores, server_parser
 from tq_pipelines.db.migrate import load_migrations, migrate
 
 ROLE = "product_resync"
@@ -113,10 +112,7 @@ class Schema:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--url", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser = server_parser(__doc__)
     parser.add_argument("--stores", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--churn", type=int, default=10000, help="tasks moved through the queue per round")

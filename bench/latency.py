@@ -33,7 +33,6 @@ cost. Each round's medians go to the log.
 the 074 SQL on the 0003 schema still runs in ``tq_bench_latency``.
 """
 
-import argparse
 import math
 import os
 import re
@@ -49,10 +48,10 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.queue_throughput import recreate_db, server_parser
 from tq_pipelines.db.migrate import load_migrations, migrate
 from tq_pipelines.db.schema import split_statements
 from tq_pipelines.queue.api import ROLES
@@ -224,13 +223,6 @@ T0 = time.monotonic()
 
 def log(message: str) -> None:
     print(f"[{time.monotonic() - T0:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def recreate_db(server: str, name: str) -> str:
-    with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return make_conninfo(server, dbname=name)
 
 
 @dataclass
@@ -424,14 +416,7 @@ def claim_loop(bench: Bench, n: int, warmup: int) -> tuple[Timing, Timing]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--url",
-        default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
-        help="a server where the bench may create databases",
-    )
+    parser = server_parser(__doc__)
     parser.add_argument("--finished", type=int, default=1_000_000, help="completed/failed tasks")
     parser.add_argument("--pending", type=int, default=2000, help="pending due tasks, all roles")
     parser.add_argument("--running", type=int, default=500)

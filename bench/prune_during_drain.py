@@ -21,7 +21,6 @@ prune deleted and its rows/s.
 
 import argparse
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import threading
@@ -34,7 +33,7 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.queue_throughput import ROLE, recreate_db
+from bench.queue_throughput import ROLE, recreate_db, server_parser
 from tq_pipelines.db.migrate import migrate
 from tq_pipelines.queue.api import TaskQueue
 from tq_pipelines.queue.retention import RetentionSettings, prune
@@ -133,14 +132,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--url",
-        default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
-        help="a server where the bench may create databases",
-    )
+    parser = server_parser(__doc__)
     parser.add_argument("--rows", type=int, default=1_000_000, help="finished tasks past the horizon")
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--window", type=float, default=20.0, help="seconds per measured window")

@@ -60,6 +60,17 @@ def recreate_db(server: str, name: str) -> str:
     return make_conninfo(server, dbname=name)
 
 
+def server_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A bench's arguments, starting with ``--url``: the server it creates its databases on."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
+        help="a server where the bench may create databases",
+    )
+    return parser
+
+
 def reset_stores(conn: psycopg.Connection, stores: int) -> None:
     """An empty queue and ``stores`` crawlable dutchie stores."""
     conn.execute("TRUNCATE worker_tasks, worker_task_heads, worker_task_stores, worker_registry CASCADE")
@@ -262,14 +273,7 @@ def run_pgbench(server: str, seconds: int, clients: int = 16) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--url",
-        default=os.environ.get("TQ_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
-        help="a server where the bench may create databases",
-    )
+    parser = server_parser(__doc__)
     parser.add_argument("--workers", default="1,4,16")
     parser.add_argument("--modes", default="single,batch,worker")
     parser.add_argument("--layouts", default="adjacent,interleaved")
