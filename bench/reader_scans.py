@@ -2,19 +2,23 @@
 work, with their scans parallel (the planner's default) and in one process (migration 0021).
 
     python bench/reader_scans.py [--url URL] [--history 600000] [--readers 4] [--seconds 30]
-                                 [--rounds 2]
+                                 [--rounds 2] [--rate 0] [--victim queue|pgbench]
 
 One database migrated to now, with ``--history`` finished tasks in ``worker_tasks`` (a few days of
 a busy fleet), vacuumed and analysed. The queue's work is what the long-horizon bench found
 short of CPU under readers: ``PRODUCERS`` processes calling ``enqueue_task_once`` one task at a
-time, as fast as they can, and a worker process claiming 50 with start and completing them,
-each on its own connection and in its own process. For ``--seconds`` each, three cases in turn:
+time, as fast as they can or at ``--rate`` tasks/s between them (the long-horizon bench's fixed
+offered load), and a worker process claiming 50 with start and completing them, each on its own
+connection and in its own process. For ``--seconds`` each, three cases in turn:
 
 - ``none``: no readers;
 - ``parallel``: ``--readers`` REPEATABLE READ transactions, each counting ``worker_tasks`` every
   100 ms (the harness's active readers), with the table's ``parallel_workers`` reset, so their
   counts plan as the server's settings make them (parallel once the table passes 8 MB);
 - ``serial``: the same readers with 0021's ``parallel_workers = 0``.
+
+``--victim pgbench`` puts pgbench's TPC-B-like transactions (4 clients, scale 10, in the same
+database) in the queue's place: another user of the server.
 
 The order of the cases turns each round, so that they share the machine's state. Per case: tasks
 completed per second, the readers' counts per second and the mean time of one, and the completions
@@ -23,7 +27,9 @@ as a fraction of the ``none`` case of the same round.
 
 import multiprocessing as mp
 import os
+import re
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -44,13 +50,20 @@ CLAIM = "SELECT (c).task.id, (c).lease FROM claim_tasks(%s, %s, %s, true) AS c"
 CASES = ("none", "parallel", "serial")
 
 
-def producer(url: str, index: int, until: float, out: "mp.Queue[tuple[str, int]]") -> None:
-    """Enqueue one task per call, on this producer's share of the stores in turn."""
+def producer(url: str, index: int, rate: float, until: float, out: "mp.Queue[tuple[str, int]]") -> None:
+    """Enqueue one task per call, on this producer's share of the stores in turn: at its share of
+    ``rate`` (a late call goes at once, none is skipped), or as fast as it can with rate 0."""
     n = 0
+    step = PRODUCERS / rate if rate > 0 else 0.0
     with psycopg.connect(url, autocommit=True) as conn:
         stores = [r[0] for r in conn.execute("SELECT id FROM dispensaries ORDER BY id")][index::PRODUCERS]
         i = 0
-        while time.monotonic() < until:
+        due = time.monotonic()
+        while (now := time.monotonic()) < until:
+            if step:
+                if now < due:
+                    time.sleep(due - now)
+                due += step
             i = (i + 1) % len(stores)
             if conn.execute("SELECT enqueue_task_once(%s, %s)", (ROLE, stores[i])).fetchone()[0] is not None:  # type: ignore[index]
                 n += 1
@@ -86,7 +99,18 @@ def reader(url: str, stop: threading.Event, times: list[float]) -> None:
         conn.rollback()
 
 
-def run_case(url: str, case: str, readers: int, seconds: float) -> dict[str, float]:
+def pgbench(url: str, seconds: float) -> float:
+    """TPC-B-like transactions per second of pgbench's 4 clients on the bench's database."""
+    done = subprocess.run(
+        ["pgbench", "-n", "-c", "4", "-j", "2", "-T", str(int(seconds)), url],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(re.search(r"tps = ([0-9.]+)", done.stdout).group(1))  # type: ignore[union-attr]
+
+
+def run_case(url: str, case: str, readers: int, rate: float, seconds: float, victim: str) -> dict[str, float]:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(
             "ALTER TABLE worker_tasks RESET (parallel_workers)"
@@ -103,9 +127,23 @@ def run_case(url: str, case: str, readers: int, seconds: float) -> dict[str, flo
     for t in threads:
         t.start()
     time.sleep(1)  # the readers' snapshots taken, their first counts under way
+    if victim == "pgbench":
+        began = time.monotonic()
+        tps = pgbench(url, seconds)
+        elapsed = time.monotonic() - began
+        stop.set()
+        for t in threads:
+            t.join()
+        return {
+            "completed_s": tps,
+            "enqueued_s": tps,
+            "counts_s": len(times) / elapsed if times else 0.0,
+            "count_ms": 1000 * statistics.mean(times) if times else 0.0,
+            "parallel_plan": float("Gather" in plan),
+        }
     out: mp.Queue[tuple[str, int]] = mp.Queue()
     until = time.monotonic() + seconds
-    procs = [mp.Process(target=producer, args=(url, i, until, out)) for i in range(PRODUCERS)]
+    procs = [mp.Process(target=producer, args=(url, i, rate, until, out)) for i in range(PRODUCERS)]
     procs.append(mp.Process(target=worker, args=(url, until, out)))
     began = time.monotonic()
     for p in procs:
@@ -142,6 +180,13 @@ def main() -> None:
     parser.add_argument("--readers", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rate", type=float, default=0, help="tasks/s offered (0: as fast as they go)")
+    parser.add_argument(
+        "--victim",
+        choices=("queue", "pgbench"),
+        default="queue",
+        help="whose work the readers share the cores with",
+    )
     args = parser.parse_args()
 
     url = recreate_db(args.url, "tq_bench_readers")
@@ -159,6 +204,8 @@ def main() -> None:
             """,
             (ROLE, WORKER, args.history),
         )
+        if args.victim == "pgbench":
+            subprocess.run(["pgbench", "-i", "-q", "-s", "10", url], capture_output=True, check=True)
         conn.execute("VACUUM ANALYZE")
         size = conn.execute("SELECT pg_size_pretty(pg_table_size('worker_tasks'))").fetchone()[0]  # type: ignore[index]
         server = conn.execute("SHOW server_version").fetchone()[0]  # type: ignore[index]
@@ -170,7 +217,7 @@ def main() -> None:
     ratios: dict[str, list[float]] = {c: [] for c in CASES}
     for r in range(args.rounds):
         order = CASES if r % 2 == 0 else CASES[::-1]
-        got = {c: run_case(url, c, args.readers, args.seconds) for c in order}
+        got = {c: run_case(url, c, args.readers, args.rate, args.seconds, args.victim) for c in order}
         for c in CASES:
             results[c].append(got[c])
             ratios[c].append(got[c]["completed_s"] / got["none"]["completed_s"])
