@@ -229,7 +229,8 @@ def main() -> None:
             )
 
     print()
-    print("| readers' scans | tasks completed/s | x no readers | counts/s | one count, ms | parallel plan |")
+    work = "pgbench transactions/s" if args.victim == "pgbench" else "tasks completed/s"
+    print(f"| readers' scans | {work} | x no readers | counts/s | one count, ms | parallel plan |")
     print("|---|---:|---:|---:|---:|---|")
     for c in CASES:
         rows = results[c]
