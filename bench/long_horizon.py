@@ -7,7 +7,9 @@
 
 Each system runs in turn on one server, in its own database (its adapter.json's db_name,
 recreated), through its adapter in bench/portable/<system>-bench (the harness's JSONL protocol),
-at the same offered load, WORKER_COUNT and JOB_WORK_MS. Phases are the harness's: warmup, clean,
+at the same offered load, WORKER_COUNT and JOB_WORK_MS. A system ``tq-before-NNNN`` is tq's
+adapter on a database with only the migrations before NNNN: one change measured beside the queue
+without it, in the same run. Phases are the harness's: warmup, clean,
 idle-in-tx, active-readers, high-load, recovery, repeated-kill, pg-backend-kill, pool-exhaustion,
 postgres-restart. Scenario ``pressure``: warmup, clean, idle-in-tx, active-readers, high-load
 (1.5x), recovery. Scenario ``chaos``: warmup, clean, then each fault followed by a recovery, with
@@ -333,6 +335,18 @@ class Adapter:
 
     @classmethod
     def load(cls, system: str, root: Path = PORTABLE) -> "Adapter":
+        # tq-before-NNNN: tq's adapter on a database of its own with the migrations before NNNN
+        # (the queue as it was), to measure one change beside the queue with it, in one run.
+        if before := re.fullmatch(r"tq-before-(\d{4})", system):
+            tq = cls.load("tq", root)
+            manifest = {
+                **tq.manifest,
+                "db_name": f"tq_bench_before_{before[1]}",
+                "enqueued_sql": ENQUEUED_SQL["tq"],
+                "pending_sql": PENDING_SQL["tq"],
+                "env": {"TQ_MIGRATE_BEFORE": before[1]},
+            }
+            return cls(system, tq.folder, manifest)
         folder = root / f"{system}-bench"
         path = folder / "adapter.json"
         if not path.exists():
@@ -416,6 +430,7 @@ class SystemRun:
             TQ_REPLICAS=str(len(self.replicas)),
             PYTHONUNBUFFERED="1",
         )
+        env.update({str(k): str(v) for k, v in (self.adapter.manifest.get("env") or {}).items()})
         return env
 
     def start(self, i: int, wait: float = 0.0) -> None:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchlib
 from benchlib import env_float, env_int, env_str
 
-from tq_pipelines.db.migrate import migrate
+from tq_pipelines.db.migrate import Migration, load_migrations, migrate
 from tq_pipelines.queue.api import Task, TaskQueue
 from tq_pipelines.queue.worker import TaskContext, Worker
 
@@ -134,12 +134,18 @@ class Adapter:
 
     # -- setup -----------------------------------------------------------------------------------
 
+    def migrations(self) -> list[Migration]:
+        """The project's migrations; with ``TQ_MIGRATE_BEFORE=NNNN`` only those before NNNN (the
+        queue as it was before one change, for a run that measures that change)."""
+        before = env_str("TQ_MIGRATE_BEFORE", "")
+        return [m for m in load_migrations() if not before or m.version < before]
+
     def setup(self) -> None:
         """Migrate with the project's own path, create the effect table, seed the stores."""
         deadline = time.monotonic() + 60
         while True:
             try:
-                applied = migrate(self.url)
+                applied = migrate(self.url, self.migrations())
                 if applied:
                     log(f"migrated: {', '.join(applied)}")
                 with psycopg.connect(self.url, autocommit=True) as conn:
