@@ -110,6 +110,35 @@ def pgbench(url: str, seconds: float) -> float:
     return float(re.search(r"tps = ([0-9.]+)", done.stdout).group(1))  # type: ignore[union-attr]
 
 
+def queue_work(url: str, rate: float, seconds: float) -> tuple[float, float]:
+    """The producers and the worker for ``seconds``: tasks completed and enqueued per second."""
+    out: mp.Queue[tuple[str, int]] = mp.Queue()
+    until = time.monotonic() + seconds
+    procs = [mp.Process(target=producer, args=(url, i, rate, until, out)) for i in range(PRODUCERS)]
+    procs.append(mp.Process(target=worker, args=(url, until, out)))
+    began = time.monotonic()
+    for p in procs:
+        p.start()
+    totals: dict[str, int] = {"enqueued": 0, "completed": 0}
+    for _ in procs:
+        key, n = out.get()
+        totals[key] += n
+    elapsed = time.monotonic() - began
+    for p in procs:
+        p.join()
+    return totals["completed"] / elapsed, totals["enqueued"] / elapsed
+
+
+def drain(url: str) -> None:
+    """What the worker left, completed, so that the next case starts empty."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        while rows := conn.execute(CLAIM, (ROLE, WORKER, 500)).fetchall():
+            conn.execute(
+                "SELECT complete_tasks(%s, %s, %s::JSONB[])",
+                ([r[0] for r in rows], [r[1] for r in rows], [None] * len(rows)),
+            )
+
+
 def run_case(url: str, case: str, readers: int, rate: float, seconds: float, victim: str) -> dict[str, float]:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(
@@ -127,47 +156,18 @@ def run_case(url: str, case: str, readers: int, rate: float, seconds: float, vic
     for t in threads:
         t.start()
     time.sleep(1)  # the readers' snapshots taken, their first counts under way
-    if victim == "pgbench":
-        began = time.monotonic()
-        tps = pgbench(url, seconds)
-        elapsed = time.monotonic() - began
-        stop.set()
-        for t in threads:
-            t.join()
-        return {
-            "completed_s": tps,
-            "enqueued_s": tps,
-            "counts_s": len(times) / elapsed if times else 0.0,
-            "count_ms": 1000 * statistics.mean(times) if times else 0.0,
-            "parallel_plan": float("Gather" in plan),
-        }
-    out: mp.Queue[tuple[str, int]] = mp.Queue()
-    until = time.monotonic() + seconds
-    procs = [mp.Process(target=producer, args=(url, i, rate, until, out)) for i in range(PRODUCERS)]
-    procs.append(mp.Process(target=worker, args=(url, until, out)))
     began = time.monotonic()
-    for p in procs:
-        p.start()
-    totals: dict[str, int] = {"enqueued": 0, "completed": 0}
-    for _ in procs:
-        key, n = out.get()
-        totals[key] += n
+    completed_s, enqueued_s = (
+        (pgbench(url, seconds),) * 2 if victim == "pgbench" else queue_work(url, rate, seconds)
+    )
     elapsed = time.monotonic() - began
-    for p in procs:
-        p.join()
     stop.set()
     for t in threads:
         t.join()
-    with psycopg.connect(url, autocommit=True) as conn:
-        # What the worker left: drained before the next case, so that each starts empty.
-        while rows := conn.execute(CLAIM, (ROLE, WORKER, 500)).fetchall():
-            conn.execute(
-                "SELECT complete_tasks(%s, %s, %s::JSONB[])",
-                ([r[0] for r in rows], [r[1] for r in rows], [None] * len(rows)),
-            )
+    drain(url)
     return {
-        "completed_s": totals["completed"] / elapsed,
-        "enqueued_s": totals["enqueued"] / elapsed,
+        "completed_s": completed_s,
+        "enqueued_s": enqueued_s,
         "counts_s": len(times) / elapsed if times else 0.0,
         "count_ms": 1000 * statistics.mean(times) if times else 0.0,
         "parallel_plan": float("Gather" in plan),
