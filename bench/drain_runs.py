@@ -647,12 +647,12 @@ def collect(
         }
         tasks = {
             r["status"]: r["n"]
-            for r in conn.execute("SELECT status, count(*) AS n FROM worker_tasks GROUP BY status").fetchall()
+            for r in conn.execute("SELECT status, count(*) AS n FROM v_tasks GROUP BY status").fetchall()
         }
         # Pickup of work that came due alone: analytics, and retries (their last attempt).
         single = conn.execute(
             """
-            SELECT role, extract(EPOCH FROM started_at - due_at)::float AS s FROM worker_tasks
+            SELECT role, extract(EPOCH FROM started_at - due_at)::float AS s FROM v_tasks
             WHERE status = 'completed' AND (role = 'analytics_refresh' OR retry_count > 0)
               AND due_at < to_timestamp(%s)
             """,
@@ -692,7 +692,7 @@ def pickup_one(url: str, timeout: float = 120) -> float:
         task_id = row[0]
         while time.monotonic() < deadline:
             row = conn.execute(
-                "SELECT extract(EPOCH FROM started_at - created_at)::float FROM worker_tasks"
+                "SELECT extract(EPOCH FROM started_at - created_at)::float FROM v_tasks"
                 " WHERE id = %s AND status = 'completed'",
                 (task_id,),
             ).fetchone()

@@ -8,7 +8,7 @@ In one run, on one database server:
    of a second queue database, with Dagster idling beside them;
 3. the day's resync is generated for ``--tasks`` stores in the database the sensor watches, and
    the bench waits for the last completion. The sensor may start up to ``--runs`` drain runs.
-Figures: tasks/s from first claim to last completion (from worker_tasks, the same measure for
+Figures: tasks/s from first claim to last completion (from v_tasks, the same measure for
 both, per worker and summed), and the wall time from generation to the last completion.
 """
 
@@ -56,7 +56,7 @@ def per_worker_rates(url: str) -> list[tuple[str, int, float]]:
         rows = conn.execute(
             """
             SELECT worker_id, count(*), extract(EPOCH FROM max(completed_at) - min(claimed_at))
-            FROM worker_tasks WHERE status = 'completed'
+            FROM v_tasks WHERE status = 'completed'
             GROUP BY worker_id ORDER BY worker_id
             """
         ).fetchall()
@@ -66,7 +66,7 @@ def per_worker_rates(url: str) -> list[tuple[str, int, float]]:
 def overall_rate(url: str) -> tuple[int, float]:
     with psycopg.connect(url) as conn:
         n, seconds = conn.execute(
-            "SELECT count(*), extract(EPOCH FROM max(completed_at) - min(claimed_at)) FROM worker_tasks"
+            "SELECT count(*), extract(EPOCH FROM max(completed_at) - min(claimed_at)) FROM v_tasks"
             " WHERE status = 'completed'"
         ).fetchone()  # type: ignore[misc]
     return n, n / float(seconds)
@@ -90,7 +90,7 @@ def wait_until_done(url: str, total: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     with psycopg.connect(url, autocommit=True) as conn:
         while time.monotonic() < deadline:
-            done = conn.execute("SELECT count(*) FROM worker_tasks WHERE status = 'completed'").fetchone()
+            done = conn.execute("SELECT count(*) FROM v_tasks WHERE status = 'completed'").fetchone()
             if done and done[0] >= total:
                 return
             time.sleep(0.2)
@@ -164,7 +164,7 @@ def generation_to_last_completion(url: str) -> float:
     """Seconds from the first task's creation to the last completion, by the database's clock."""
     with psycopg.connect(url) as conn:
         row = conn.execute(
-            "SELECT extract(EPOCH FROM max(completed_at) - min(created_at)) FROM worker_tasks"
+            "SELECT extract(EPOCH FROM max(completed_at) - min(created_at)) FROM v_tasks"
         ).fetchone()
     assert row and row[0] is not None
     return float(row[0])

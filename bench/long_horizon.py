@@ -137,7 +137,8 @@ EMBEDDED_SETTINGS = {
 # "enqueued_sql": completed tasks stay in these tables (procrastinate with delete_jobs=never;
 # pgqueuer moves a finished job to its log).
 ENQUEUED_SQL = {
-    "tq": "SELECT id FROM worker_tasks",
+    # Every task, in the queue or moved to its history (0022).
+    "tq": "SELECT id FROM v_tasks",
     "procrastinate": "SELECT id FROM procrastinate_jobs",
     "pgqueuer": "SELECT id FROM pgqueuer UNION SELECT job_id FROM pgqueuer_log",
 }
@@ -342,7 +343,8 @@ class Adapter:
             manifest = {
                 **tq.manifest,
                 "db_name": f"tq_bench_before_{before[1]}",
-                "enqueued_sql": ENQUEUED_SQL["tq"],
+                # Before 0022 every task stayed in worker_tasks, and v_tasks did not exist.
+                "enqueued_sql": "SELECT id FROM worker_tasks" if before[1] <= "0022" else ENQUEUED_SQL["tq"],
                 "pending_sql": PENDING_SQL["tq"],
                 "env": {"TQ_MIGRATE_BEFORE": before[1]},
             }

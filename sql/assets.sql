@@ -7,7 +7,7 @@
 -- resync. NULL on a database that holds neither yet (a new deployment).
 SELECT date_trunc('hour', least(
          (SELECT t.created_at
-          FROM worker_tasks t
+          FROM v_tasks t
           ORDER BY t.created_at
           LIMIT 1),
          (SELECT (l.date + make_interval(hours => l.hour)) AT TIME ZONE 'UTC'
@@ -26,7 +26,7 @@ SELECT
   count(*) FILTER (WHERE t.status = 'completed') AS completed,
   count(*) FILTER (WHERE t.status = 'failed') AS failed,
   count(*) FILTER (WHERE t.status = 'cancelled') AS cancelled
-FROM worker_tasks t
+FROM v_tasks t
 WHERE t.role = 'product_resync'
   AND t.resync_date = ANY (%(days)s::DATE[])
 GROUP BY t.resync_date
@@ -71,7 +71,7 @@ WHERE t.role = 'product_resync'
 -- generate_resync_tasks chooses them, whatever the platform).
 SELECT
   (SELECT count(*)
-   FROM worker_tasks t
+   FROM v_tasks t
    WHERE t.role = 'product_resync'
      AND t.resync_date = %(day)s) AS tasks,
   (SELECT count(*)
@@ -81,14 +81,19 @@ SELECT
      AND d.platform_dispensary_id IS NOT NULL) AS stores;
 
 -- name: table_row_counts
--- The rows of the tables the asset graph draws. Counted where that is cheap; products and
--- product_history (millions of rows, and products is not the worker's to read) from the
--- statistics' live-row count, which trails the writes by a few seconds.
+-- The rows of the tables the asset graph draws. Counted where that is cheap (worker_tasks holds
+-- the queue and the last minute's finished tasks: 0022); products, product_history and
+-- worker_task_history (millions of rows, not the worker's to read) from the statistics'
+-- live-row count, which trails the writes by a few seconds.
 SELECT 'dispensaries' AS relation, (SELECT count(*) FROM dispensaries) AS row_count, false AS estimated
 UNION ALL
 SELECT 'store_analytics', (SELECT count(*) FROM store_analytics), false
 UNION ALL
 SELECT 'worker_tasks', (SELECT count(*) FROM worker_tasks), false
+UNION ALL
+SELECT 'worker_task_history',
+       (SELECT s.n_live_tup FROM pg_stat_user_tables s WHERE s.relid = 'worker_task_history'::REGCLASS),
+       true
 UNION ALL
 SELECT 'products', (SELECT s.n_live_tup FROM pg_stat_user_tables s WHERE s.relid = 'products'::REGCLASS), true
 UNION ALL

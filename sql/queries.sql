@@ -98,8 +98,13 @@ SELECT enqueue_task_once(
   %(role)s, %(dispensary_id)s, %(platform)s, %(priority)s, %(scheduled_for)s, %(payload)s::JSONB
 ) AS id;
 
+-- name: archive_tasks
+-- Finished tasks out of the hot table, on the database's clock (migration 0022).
+SELECT archive_tasks(now() - make_interval(secs => %(seconds)s), %(limit)s) AS moved;
+
 -- name: get_task
-SELECT * FROM worker_tasks WHERE id = %(task_id)s;
+-- In the queue or archived (v_tasks).
+SELECT * FROM v_tasks WHERE id = %(task_id)s;
 
 -- name: worker_capacity
 SELECT * FROM v_worker_capacity ORDER BY role;
@@ -320,7 +325,7 @@ FROM store_analytics;
 -- indexes (finished tasks by completed_at, pending tasks).
 WITH recent AS (
   SELECT t.platform, t.status, t.error_message, t.updated_at
-  FROM worker_tasks t
+  FROM v_tasks t
   WHERE t.status IN ('completed', 'failed')
     AND t.completed_at > now() - make_interval(mins => %(minutes)s)
   UNION ALL

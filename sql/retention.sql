@@ -29,15 +29,15 @@ SELECT nullif(tasks_pruned_before, '-infinity') AS tasks_pruned_before FROM tq_r
 SELECT deleted, hours_rolled_up FROM prune_tasks(%(before)s, %(limit)s);
 
 -- name: count_prunable_tasks
--- What prune_tasks would delete, one branch per partial index.
+-- What prune_tasks would delete: finished tasks, archived or not (v_tasks), one branch per index.
 SELECT
   (SELECT count(*)
-   FROM worker_tasks t
+   FROM v_tasks t
    WHERE t.status IN ('completed', 'failed')
      AND t.completed_at < %(before)s
      AND t.created_at < %(before)s)
   + (SELECT count(*)
-     FROM worker_tasks t
+     FROM v_tasks t
      WHERE t.status = 'cancelled'
        AND t.completed_at < %(before)s
        AND t.created_at < %(before)s) AS n;

@@ -9,6 +9,77 @@ SET check_function_bodies = false;
 
 
 --
+-- Name: archive_tasks(timestamp with time zone, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.archive_tasks(p_finished_before timestamp with time zone, p_limit integer) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+  v_moved INTEGER;
+BEGIN
+  IF p_finished_before IS NULL THEN
+    PERFORM tq_refuse('archive_tasks', 'finished_before', NULL, 'must be a time',
+      'Tasks finished before it move to worker_task_history: e.g. now() - interval ''1 minute''.');
+  END IF;
+  IF p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 100000 THEN
+    PERFORM tq_refuse('archive_tasks', 'limit', p_limit::TEXT, 'must be between 1 and 100000',
+      'The tasks moved per call: a few thousand keep each transaction short.');
+  END IF;
+  -- Oldest first, through the two partial indexes on completed_at; locked in id order, a row
+  -- held elsewhere (a prune) skipped. A finished task is never updated again, so the DELETE
+  -- takes the rows as they were read.
+  WITH picked AS (
+    SELECT t.id
+    FROM worker_tasks t
+    WHERE t.id IN (
+        SELECT c.id
+        FROM (
+          (SELECT f.id, f.completed_at
+           FROM worker_tasks f
+           WHERE f.status IN ('completed', 'failed')
+             AND f.completed_at < p_finished_before
+           ORDER BY f.completed_at
+           LIMIT p_limit)
+          UNION ALL
+          (SELECT x.id, x.completed_at
+           FROM worker_tasks x
+           WHERE x.status = 'cancelled'
+             AND x.completed_at < p_finished_before
+           ORDER BY x.completed_at
+           LIMIT p_limit)
+        ) c
+        ORDER BY c.completed_at, c.id
+        LIMIT p_limit
+      )
+      AND t.status IN ('completed', 'failed', 'cancelled')
+      AND t.completed_at < p_finished_before
+    ORDER BY t.id
+    FOR UPDATE SKIP LOCKED
+  ),
+  moved AS (
+    DELETE FROM worker_tasks t
+    USING picked p
+    WHERE t.id = p.id
+    RETURNING t.*
+  )
+  INSERT INTO worker_task_history
+  SELECT * FROM moved;
+  GET DIAGNOSTICS v_moved = ROW_COUNT;
+  RETURN v_moved;
+END;
+$$;
+
+
+--
+-- Name: FUNCTION archive_tasks(p_finished_before timestamp with time zone, p_limit integer); Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON FUNCTION public.archive_tasks(p_finished_before timestamp with time zone, p_limit integer) IS 'Move up to N tasks finished before a time from worker_tasks to worker_task_history, oldest first';
+
+
+--
 -- Name: cancel_task(integer); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -864,6 +935,17 @@ BEGIN
       o.n * p_batches_per_day / o.total AS batch,
       row_number() OVER (PARTITION BY o.n * p_batches_per_day / o.total ORDER BY o.n) - 1 AS place
     FROM ordered o
+  ),
+  -- The day's key of each store first: a store whose key is there (its task made before, in
+  -- the queue or archived, and not pruned) gets none. A second generator of the day waits here
+  -- for the first's keys and skips them.
+  keyed AS (
+    INSERT INTO worker_task_resyncs (resync_date, role, dispensary_id)
+    SELECT p_date, 'product_resync', s.id
+    FROM stores s
+    ORDER BY s.id
+    ON CONFLICT DO NOTHING
+    RETURNING dispensary_id
   )
   INSERT INTO worker_tasks (role, dispensary_id, platform, scheduled_for, priority, resync_date)
   SELECT
@@ -876,6 +958,7 @@ BEGIN
     0,
     p_date
   FROM stores s
+  JOIN keyed k ON k.dispensary_id = s.id
   ORDER BY s.n
   ON CONFLICT (role, dispensary_id, resync_date) WHERE resync_date IS NOT NULL DO NOTHING;
   GET DIAGNOSTICS v_created = ROW_COUNT;
@@ -1407,6 +1490,10 @@ BEGIN
   END IF;
   PERFORM tq_check_prune('prune_tasks', p_before, p_limit, 'min_tasks_days');
 
+  -- Tasks finished before the horizon and not archived yet (no drain sensor moved them) go to
+  -- the history first: the prune below reads only the history.
+  PERFORM archive_tasks(p_before, p_limit);
+
   -- One batch at a time: a batch that rolls up an hour must not see another's deletes of it
   -- half-way. The watermark moves in the same transaction as the first delete under it, and
   -- never back.
@@ -1416,35 +1503,19 @@ BEGIN
       updated_at = now()
   WHERE tasks_pruned_before < p_before;
 
-  -- Oldest first, through the two partial indexes on completed_at; locked in id order, rows
-  -- held elsewhere skipped, and each row's status and times checked again once locked.
+  -- Oldest first; locked in id order, rows held elsewhere skipped.
   SELECT array_agg(t.id ORDER BY t.id) INTO v_ids
   FROM (
     SELECT t.id
-    FROM worker_tasks t
+    FROM worker_task_history t
     WHERE t.id IN (
-        SELECT c.id
-        FROM (
-          (SELECT f.id, f.completed_at
-           FROM worker_tasks f
-           WHERE f.status IN ('completed', 'failed')
-             AND f.completed_at < p_before
-             AND f.created_at < p_before
-           ORDER BY f.completed_at
-           LIMIT p_limit)
-          UNION ALL
-          (SELECT x.id, x.completed_at
-           FROM worker_tasks x
-           WHERE x.status = 'cancelled'
-             AND x.completed_at < p_before
-             AND x.created_at < p_before
-           ORDER BY x.completed_at
-           LIMIT p_limit)
-        ) c
-        ORDER BY c.completed_at, c.id
+        SELECT f.id
+        FROM worker_task_history f
+        WHERE f.completed_at < p_before
+          AND f.created_at < p_before
+        ORDER BY f.completed_at
         LIMIT p_limit
       )
-      AND t.status IN ('completed', 'failed', 'cancelled')
       AND t.completed_at < p_before
       AND t.created_at < p_before
     ORDER BY t.id
@@ -1462,7 +1533,7 @@ BEGIN
   -- is there. Once a batch made it, it is such a row, so each hour is rolled up once.
   FOR v_hour IN
     SELECT DISTINCT h.start
-    FROM worker_tasks t
+    FROM worker_task_history t
     CROSS JOIN LATERAL (
       VALUES (date_trunc('hour', t.created_at AT TIME ZONE 'UTC')),
              (date_trunc('hour', t.completed_at AT TIME ZONE 'UTC'))
@@ -1482,7 +1553,9 @@ BEGIN
     hours_rolled_up := hours_rolled_up + 1;
   END LOOP;
 
-  DELETE FROM worker_tasks t WHERE t.id = ANY (v_ids);
+  -- A resync task's key goes with it (the history's delete trigger): its day may be made again
+  -- by a backfill, as before 0022.
+  DELETE FROM worker_task_history t WHERE t.id = ANY (v_ids);
   GET DIAGNOSTICS deleted = ROW_COUNT;
   RETURN NEXT;
 END;
@@ -2454,7 +2527,8 @@ DECLARE
   v_schema TEXT := current_schema();
   -- Read by the named queries of the worker's paths (sql/*.sql), by name.
   v_reads CONSTANT TEXT[] := ARRAY[
-    'worker_tasks',         -- get_task, stuck_tasks, claimable_now, platform_errors, prune counts
+    'worker_tasks',         -- stuck_tasks, claimable_now, resync_open_days, resync_unfinished
+    'v_tasks',              -- get_task, platform_errors, prune counts, resync_day_progress (0022)
     'worker_task_roles',    -- task_roles: the roles the sensors and drain runs serve
     'worker_task_heads',    -- claimable_now
     'worker_task_stores',   -- claimable_now
@@ -2613,6 +2687,40 @@ BEGIN
       USING ERRCODE = 'insufficient_privilege';
   END IF;
   RETURN t;
+END;
+$$;
+
+
+--
+-- Name: tq_history_deleted(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_history_deleted() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  DELETE FROM worker_task_resyncs k
+  USING old_tasks o
+  WHERE o.resync_date IS NOT NULL
+    AND k.resync_date = o.resync_date AND k.role = o.role AND k.dispensary_id = o.dispensary_id;
+  RETURN NULL;
+END;
+$$;
+
+
+--
+-- Name: tq_history_truncated(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_history_truncated() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  DELETE FROM worker_task_resyncs k
+  WHERE NOT EXISTS (
+    SELECT 1 FROM worker_tasks t  -- idx_worker_tasks_resync_once
+    WHERE t.role = k.role AND t.dispensary_id = k.dispensary_id AND t.resync_date = k.resync_date);
+  RETURN NULL;
 END;
 $$;
 
@@ -3303,7 +3411,7 @@ BEGIN
   FROM worker_task_roles r
   LEFT JOIN (
     SELECT role, count(*) AS created
-    FROM worker_tasks
+    FROM v_tasks
     WHERE created_at >= v_start AND created_at < v_start + INTERVAL '1 hour'
     GROUP BY role
   ) c ON c.role = r.role
@@ -3315,7 +3423,7 @@ BEGIN
       round(avg(extract(EPOCH FROM completed_at - started_at)) FILTER (WHERE status = 'completed'), 2) AS avg_sec,
       round(min(extract(EPOCH FROM completed_at - started_at)) FILTER (WHERE status = 'completed'), 2) AS min_sec,
       round(max(extract(EPOCH FROM completed_at - started_at)) FILTER (WHERE status = 'completed'), 2) AS max_sec
-    FROM worker_tasks
+    FROM v_tasks
     WHERE status IN ('completed', 'failed')
       AND completed_at >= v_start AND completed_at < v_start + INTERVAL '1 hour'
     GROUP BY role
@@ -3966,6 +4074,14 @@ BEGIN
     SELECT DISTINCT dispensary_id, role FROM old_tasks
     WHERE status = 'pending' AND dispensary_id IS NOT NULL
   ) k;
+  -- A resync task deleted, not archived (no row of it in the history now), takes its day's key
+  -- with it: the day may be made again for its store, as when a unique index of worker_tasks
+  -- was the key (0022).
+  DELETE FROM worker_task_resyncs k
+  USING old_tasks o
+  WHERE o.resync_date IS NOT NULL
+    AND k.resync_date = o.resync_date AND k.role = o.role AND k.dispensary_id = o.dispensary_id
+    AND NOT EXISTS (SELECT 1 FROM worker_task_history h WHERE h.id = o.id);
   RETURN NULL;
 END;
 $$;
@@ -4098,6 +4214,11 @@ CREATE FUNCTION public.tq_tasks_truncated() RETURNS trigger
 BEGIN
   DELETE FROM worker_task_heads;
   UPDATE worker_task_stores SET active_task_id = NULL WHERE active_task_id IS NOT NULL;
+  -- The keys of the tasks gone with it (those archived keep theirs).
+  DELETE FROM worker_task_resyncs k
+  WHERE NOT EXISTS (
+    SELECT 1 FROM worker_task_history h
+    WHERE h.role = k.role AND h.resync_date = k.resync_date AND h.dispensary_id = k.dispensary_id);
   RETURN NULL;
 END;
 $$;
@@ -4845,6 +4966,108 @@ CREATE VIEW public.v_store_freshness AS
 
 
 --
+-- Name: worker_task_history; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.worker_task_history (
+    id integer NOT NULL,
+    role character varying(50) NOT NULL,
+    dispensary_id integer,
+    platform character varying(50),
+    status character varying(20) NOT NULL,
+    priority integer NOT NULL,
+    scheduled_for timestamp with time zone,
+    worker_id character varying(100),
+    claimed_at timestamp with time zone,
+    started_at timestamp with time zone,
+    completed_at timestamp with time zone NOT NULL,
+    last_heartbeat_at timestamp with time zone,
+    result jsonb,
+    error_message text,
+    retry_count integer NOT NULL,
+    max_retries integer NOT NULL,
+    created_at timestamp with time zone NOT NULL,
+    updated_at timestamp with time zone NOT NULL,
+    resync_date date,
+    due_at timestamp with time zone NOT NULL,
+    payload jsonb NOT NULL,
+    send_at timestamp with time zone,
+    lease_hash bytea,
+    CONSTRAINT worker_task_history_status_check CHECK (((status)::text = ANY ((ARRAY['completed'::character varying, 'failed'::character varying, 'cancelled'::character varying])::text[])))
+);
+
+
+--
+-- Name: TABLE worker_task_history; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON TABLE public.worker_task_history IS 'Finished tasks (completed, failed, cancelled), moved out of worker_tasks by archive_tasks; v_tasks reads both';
+
+
+--
+-- Name: v_tasks; Type: VIEW; Schema: public; Owner: -
+--
+
+CREATE VIEW public.v_tasks AS
+ SELECT worker_tasks.id,
+    worker_tasks.role,
+    worker_tasks.dispensary_id,
+    worker_tasks.platform,
+    worker_tasks.status,
+    worker_tasks.priority,
+    worker_tasks.scheduled_for,
+    worker_tasks.worker_id,
+    worker_tasks.claimed_at,
+    worker_tasks.started_at,
+    worker_tasks.completed_at,
+    worker_tasks.last_heartbeat_at,
+    worker_tasks.result,
+    worker_tasks.error_message,
+    worker_tasks.retry_count,
+    worker_tasks.max_retries,
+    worker_tasks.created_at,
+    worker_tasks.updated_at,
+    worker_tasks.resync_date,
+    worker_tasks.due_at,
+    worker_tasks.payload,
+    worker_tasks.send_at,
+    worker_tasks.lease_hash
+   FROM public.worker_tasks
+UNION ALL
+ SELECT worker_task_history.id,
+    worker_task_history.role,
+    worker_task_history.dispensary_id,
+    worker_task_history.platform,
+    worker_task_history.status,
+    worker_task_history.priority,
+    worker_task_history.scheduled_for,
+    worker_task_history.worker_id,
+    worker_task_history.claimed_at,
+    worker_task_history.started_at,
+    worker_task_history.completed_at,
+    worker_task_history.last_heartbeat_at,
+    worker_task_history.result,
+    worker_task_history.error_message,
+    worker_task_history.retry_count,
+    worker_task_history.max_retries,
+    worker_task_history.created_at,
+    worker_task_history.updated_at,
+    worker_task_history.resync_date,
+    worker_task_history.due_at,
+    worker_task_history.payload,
+    worker_task_history.send_at,
+    worker_task_history.lease_hash
+   FROM public.worker_task_history;
+
+
+--
+-- Name: VIEW v_tasks; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON VIEW public.v_tasks IS 'Every task: those in the queue or finished in the last minutes (worker_tasks) and those archived (worker_task_history)';
+
+
+--
 -- Name: v_task_history; Type: VIEW; Schema: public; Owner: -
 --
 
@@ -4865,7 +5088,7 @@ CREATE VIEW public.v_task_history AS
     t.retry_count,
     t.created_at,
     EXTRACT(epoch FROM (t.completed_at - t.started_at)) AS duration_sec
-   FROM (public.worker_tasks t
+   FROM (public.v_tasks t
      LEFT JOIN public.dispensaries d ON ((d.id = t.dispensary_id)))
   ORDER BY t.created_at DESC, t.id DESC;
 
@@ -4923,33 +5146,33 @@ CREATE VIEW public.v_worker_capacity AS
             worker_tasks.due_at,
             worker_tasks.worker_id
            FROM public.worker_tasks
-          WHERE (((worker_tasks.status)::text = ANY ((ARRAY['claimed'::character varying, 'running'::character varying])::text[])) AND (worker_tasks.dispensary_id IS NOT NULL))
+          WHERE (((worker_tasks.status)::text = ANY (ARRAY[('claimed'::character varying)::text, ('running'::character varying)::text])) AND (worker_tasks.dispensary_id IS NOT NULL))
         UNION ALL
          SELECT worker_tasks.role,
             worker_tasks.status,
             worker_tasks.due_at,
             worker_tasks.worker_id
            FROM public.worker_tasks
-          WHERE (((worker_tasks.status)::text = ANY ((ARRAY['claimed'::character varying, 'running'::character varying])::text[])) AND (worker_tasks.dispensary_id IS NULL))
+          WHERE (((worker_tasks.status)::text = ANY (ARRAY[('claimed'::character varying)::text, ('running'::character varying)::text])) AND (worker_tasks.dispensary_id IS NULL))
         ), live AS (
          SELECT unfinished.role,
             count(*) FILTER (WHERE ((unfinished.status)::text = 'pending'::text)) AS pending_tasks,
             count(*) FILTER (WHERE (((unfinished.status)::text = 'pending'::text) AND (unfinished.due_at <= now()))) AS ready_tasks,
             count(*) FILTER (WHERE ((unfinished.status)::text = 'claimed'::text)) AS claimed_tasks,
             count(*) FILTER (WHERE ((unfinished.status)::text = 'running'::text)) AS running_tasks,
-            count(DISTINCT unfinished.worker_id) FILTER (WHERE ((unfinished.status)::text = ANY ((ARRAY['claimed'::character varying, 'running'::character varying])::text[]))) AS active_workers
+            count(DISTINCT unfinished.worker_id) FILTER (WHERE ((unfinished.status)::text = ANY (ARRAY[('claimed'::character varying)::text, ('running'::character varying)::text]))) AS active_workers
            FROM unfinished
           GROUP BY unfinished.role
         ), recent AS (
-         SELECT worker_tasks.role,
-            count(*) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)) AS completed_last_hour,
-            count(*) FILTER (WHERE ((worker_tasks.status)::text = 'failed'::text)) AS failed_last_hour,
-            count(DISTINCT worker_tasks.worker_id) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)) AS completing_workers,
-            (GREATEST(EXTRACT(epoch FROM (max(worker_tasks.completed_at) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)) - min(worker_tasks.started_at) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)))), 0.01) / 3600.0) AS busy_hours,
-            avg(EXTRACT(epoch FROM (worker_tasks.completed_at - worker_tasks.started_at))) FILTER (WHERE ((worker_tasks.status)::text = 'completed'::text)) AS avg_duration_sec
-           FROM public.worker_tasks
-          WHERE (((worker_tasks.status)::text = ANY ((ARRAY['completed'::character varying, 'failed'::character varying])::text[])) AND (worker_tasks.completed_at > (now() - '01:00:00'::interval)))
-          GROUP BY worker_tasks.role
+         SELECT t.role,
+            count(*) FILTER (WHERE ((t.status)::text = 'completed'::text)) AS completed_last_hour,
+            count(*) FILTER (WHERE ((t.status)::text = 'failed'::text)) AS failed_last_hour,
+            count(DISTINCT t.worker_id) FILTER (WHERE ((t.status)::text = 'completed'::text)) AS completing_workers,
+            (GREATEST(EXTRACT(epoch FROM (max(t.completed_at) FILTER (WHERE ((t.status)::text = 'completed'::text)) - min(t.started_at) FILTER (WHERE ((t.status)::text = 'completed'::text)))), 0.01) / 3600.0) AS busy_hours,
+            avg(EXTRACT(epoch FROM (t.completed_at - t.started_at))) FILTER (WHERE ((t.status)::text = 'completed'::text)) AS avg_duration_sec
+           FROM public.v_tasks t
+          WHERE (((t.status)::text = ANY (ARRAY[('completed'::character varying)::text, ('failed'::character varying)::text])) AND (t.completed_at > (now() - '01:00:00'::interval)))
+          GROUP BY t.role
         )
  SELECT r.role,
     COALESCE(l.pending_tasks, (0)::bigint) AS pending_tasks,
@@ -5102,6 +5325,24 @@ COMMENT ON TABLE public.worker_task_heads IS 'Per role and store with pending wo
 
 
 --
+-- Name: worker_task_resyncs; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.worker_task_resyncs (
+    resync_date date NOT NULL,
+    role character varying(50) NOT NULL,
+    dispensary_id integer NOT NULL
+);
+
+
+--
+-- Name: TABLE worker_task_resyncs; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON TABLE public.worker_task_resyncs IS 'One row per resync task made (generate_resync_tasks), kept as long as the task: a day''s task is made once per store';
+
+
+--
 -- Name: worker_task_stores; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -5232,7 +5473,8 @@ INSERT INTO public.tq_api (function_name, for_worker) VALUES
 	('platform_pause', false),
 	('platform_resume', false),
 	('platform_handoff', true),
-	('platform_abandon', true);
+	('platform_abandon', true),
+	('archive_tasks', true);
 
 
 --
@@ -5257,7 +5499,10 @@ INSERT INTO public.tq_relations (relation_name) VALUES
 	('v_task_history'),
 	('worker_tallies'),
 	('v_workers'),
-	('worker_task_floors');
+	('worker_task_floors'),
+	('worker_task_history'),
+	('worker_task_resyncs'),
+	('v_tasks');
 
 
 --
@@ -5401,6 +5646,22 @@ ALTER TABLE ONLY public.worker_registry
 
 
 --
+-- Name: worker_task_history worker_task_history_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.worker_task_history
+    ADD CONSTRAINT worker_task_history_pkey PRIMARY KEY (id);
+
+
+--
+-- Name: worker_task_resyncs worker_task_resyncs_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.worker_task_resyncs
+    ADD CONSTRAINT worker_task_resyncs_pkey PRIMARY KEY (resync_date, role, dispensary_id);
+
+
+--
 -- Name: worker_task_roles worker_task_roles_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -5464,6 +5725,34 @@ CREATE INDEX idx_worker_task_heads_platform ON public.worker_task_heads USING bt
 --
 
 CREATE INDEX idx_worker_task_heads_recheck ON public.worker_task_heads USING btree (role, recheck_at) WHERE (recheck_at IS NOT NULL);
+
+
+--
+-- Name: idx_worker_task_history_completed; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX idx_worker_task_history_completed ON public.worker_task_history USING btree (completed_at);
+
+
+--
+-- Name: idx_worker_task_history_created; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX idx_worker_task_history_created ON public.worker_task_history USING btree (created_at DESC, id DESC);
+
+
+--
+-- Name: idx_worker_task_history_dispensary; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX idx_worker_task_history_dispensary ON public.worker_task_history USING btree (dispensary_id) WHERE (dispensary_id IS NOT NULL);
+
+
+--
+-- Name: idx_worker_task_history_resync; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX idx_worker_task_history_resync ON public.worker_task_history USING btree (role, resync_date) WHERE (resync_date IS NOT NULL);
 
 
 --
@@ -5562,6 +5851,20 @@ COMMENT ON INDEX public.worker_task_heads_store_role IS 'One head per store and 
 --
 
 CREATE TRIGGER dispensaries_platform_changed AFTER UPDATE OF menu_type ON public.dispensaries FOR EACH ROW WHEN (((new.menu_type)::text IS DISTINCT FROM (old.menu_type)::text)) EXECUTE FUNCTION public.tq_store_platform_changed();
+
+
+--
+-- Name: worker_task_history worker_task_history_deleted; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER worker_task_history_deleted AFTER DELETE ON public.worker_task_history REFERENCING OLD TABLE AS old_tasks FOR EACH STATEMENT EXECUTE FUNCTION public.tq_history_deleted();
+
+
+--
+-- Name: worker_task_history worker_task_history_truncated; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER worker_task_history_truncated AFTER TRUNCATE ON public.worker_task_history FOR EACH STATEMENT EXECUTE FUNCTION public.tq_history_truncated();
 
 
 --

@@ -145,6 +145,31 @@ def test_queue_sensor_ignores_tasks_not_yet_due(
     assert len(evaluate_queue_sensor(instance, db_url).run_requests) == 1
 
 
+def test_queue_sensor_moves_tasks_finished_long_enough_ago_out_of_the_queue(
+    instance: dg.DagsterInstance, db_url: str, conn: psycopg.Connection
+):
+    """Each tick archives a batch: tasks finished over archive_after_seconds ago, no others."""
+    add_tasks(conn, ROLE, add_stores(conn, 6), 1)
+    conn.execute(
+        "UPDATE worker_tasks SET status = 'completed', claimed_at = now(), started_at = now(),"
+        " completed_at = now() - CASE WHEN id % 2 = 0 THEN INTERVAL '2 minutes' ELSE INTERVAL '5 seconds' END"
+        " WHERE id IN (SELECT id FROM worker_tasks ORDER BY id LIMIT 4)"
+    )
+    old = {
+        r[0]
+        for r in conn.execute("SELECT id FROM worker_tasks WHERE completed_at < now() - INTERVAL '1 minute'")
+    }
+    assert len(old) == 2
+    evaluate_queue_sensor(instance, db_url, archive_after_seconds=60, archive_batch_size=1)
+    evaluate_queue_sensor(instance, db_url, archive_after_seconds=60, archive_batch_size=1)
+    evaluate_queue_sensor(instance, db_url, archive_after_seconds=60, archive_batch_size=1)
+    assert {r[0] for r in conn.execute("SELECT id FROM worker_task_history")} == old
+    assert conn.execute("SELECT status, count(*) FROM worker_tasks GROUP BY 1 ORDER BY 1").fetchall() == [
+        ("completed", 2),
+        ("pending", 2),
+    ]
+
+
 def test_queue_sensor_serves_every_role_within_its_own_cap(
     instance: dg.DagsterInstance, db_url: str, conn: psycopg.Connection
 ):

@@ -17,6 +17,7 @@ from tq_pipelines.defs.resources import QueueResource
 NAMED = {
     "dispensaries",
     "worker_tasks",
+    "worker_task_history",
     "products",
     "product_history",
     "store_analytics",
@@ -28,6 +29,7 @@ NAMED = {
 OBSERVED = {
     "dispensaries",
     "worker_tasks",
+    "worker_task_history",
     "products",
     "product_history",
     "store_analytics",
@@ -43,6 +45,8 @@ EDGES = {
     ("products", "product_history"),
     ("product_history", "store_analytics"),
     ("worker_tasks", "task_completion_log"),
+    ("worker_tasks", "worker_task_history"),
+    ("worker_task_history", "task_completion_log"),
     ("dispensaries", "store_freshness"),
 }
 
@@ -128,6 +132,7 @@ def test_table_rows_sensor_reports_row_counts_as_they_change(db_url: str, conn: 
         assert set(counts) == {
             "dispensaries",
             "worker_tasks",
+            "worker_task_history",
             "products",
             "product_history",
             "store_analytics",
@@ -139,6 +144,7 @@ def test_table_rows_sensor_reports_row_counts_as_they_change(db_url: str, conn: 
         assert estimated == {
             "dispensaries": False,
             "worker_tasks": False,
+            "worker_task_history": True,
             "store_analytics": False,
             "products": True,
             "product_history": True,

@@ -27,6 +27,7 @@ PLATFORM_LIMITS = dg.AssetKey("platform_limits")
 DISPENSARIES = dg.AssetKey("dispensaries")
 PRODUCT_RESYNC = dg.AssetKey("product_resync")
 WORKER_TASKS = dg.AssetKey("worker_tasks")
+WORKER_TASK_HISTORY = dg.AssetKey("worker_task_history")
 PRODUCTS = dg.AssetKey("products")
 PRODUCT_HISTORY = dg.AssetKey("product_history")
 STORE_ANALYTICS = dg.AssetKey("store_analytics")
@@ -103,6 +104,19 @@ TABLES: dict[dg.AssetKey, tuple[str, dg.AssetSpec]] = {
                 owners=QUEUE_OWNERS,
                 kinds=POSTGRES,
                 metadata=table_reference("worker_tasks"),
+            ),
+        ),
+        (
+            "worker_task_history",
+            dg.AssetSpec(
+                WORKER_TASK_HISTORY,
+                deps=[WORKER_TASKS],
+                description="Finished tasks (completed, failed, cancelled), moved out of worker_tasks "
+                "a minute after they finished; v_tasks reads both. Kept 30 days (docs/QUEUE.md).",
+                group_name=QUEUE,
+                owners=QUEUE_OWNERS,
+                kinds=POSTGRES,
+                metadata=table_reference("worker_task_history"),
             ),
         ),
         (

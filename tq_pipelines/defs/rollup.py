@@ -8,7 +8,14 @@ import dagster as dg
 from pydantic import Field
 
 from tq_pipelines.defs.freshness import DEFAULT_FAILURE_RATE
-from tq_pipelines.defs.lineage import QUEUE, QUEUE_OWNERS, TASK_COMPLETION_LOG, WORKER_TASKS, table_reference
+from tq_pipelines.defs.lineage import (
+    QUEUE,
+    QUEUE_OWNERS,
+    TASK_COMPLETION_LOG,
+    WORKER_TASK_HISTORY,
+    WORKER_TASKS,
+    table_reference,
+)
 from tq_pipelines.defs.partitions import hourly_partitions_def
 from tq_pipelines.defs.resources import QueueResource
 from tq_pipelines.defs.run_tags import MAINTENANCE_TAGS
@@ -30,7 +37,7 @@ class RollupConfig(dg.Config):
 
 @dg.asset(
     key=TASK_COMPLETION_LOG,
-    deps=[WORKER_TASKS],
+    deps=[WORKER_TASKS, WORKER_TASK_HISTORY],
     partitions_def=hourly_partitions_def,
     backfill_policy=dg.BackfillPolicy.multi_run(HOURS_PER_BACKFILL_RUN),
     group_name=QUEUE,

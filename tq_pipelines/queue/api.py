@@ -469,6 +469,20 @@ class TaskQueue:
         row = self._one("expire_leases", params)
         return RecoveryReport(row["recovered"], row["failed"], 0)
 
+    def archive_finished(self, older_than_seconds: float = 60.0, *, limit: int = 5000) -> int:
+        """Move up to ``limit`` tasks finished more than ``older_than_seconds`` ago from
+        ``worker_tasks`` to ``worker_task_history``, oldest first; returns how many moved.
+        ``v_tasks`` reads both: only the hot table gets smaller."""
+        if not (isinstance(older_than_seconds, int | float) and 0 <= older_than_seconds < 10**9):
+            raise QueueInputError(
+                "archive_tasks: older_than_seconds must be a finite number of seconds >= 0, "
+                f"got {older_than_seconds!r}",
+                hint="Tasks finished longer ago than this move to worker_task_history (the sensor's: 60).",
+            )
+        _require_int32("limit", limit)
+        params = {"seconds": float(older_than_seconds), "limit": limit}
+        return int(self._one("archive_tasks", params)["moved"])
+
     def recover_stale(self, threshold_minutes: int = 10) -> RecoveryReport:
         """Give back the tasks of workers silent past the threshold."""
         _require_int32("stale_threshold_minutes", threshold_minutes)

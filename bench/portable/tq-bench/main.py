@@ -119,6 +119,7 @@ class Adapter:
         self.batch_size = max(1, env_int("TQ_BATCH_SIZE", 50))
         self.idle_poll = env_float("TQ_IDLE_POLL_S", 0.5)
         self.heartbeat = env_float("TQ_HEARTBEAT_S", 30)
+        self.archive_after = env_float("TQ_ARCHIVE_AFTER_S", 60)
         self.maintenance_every = env_float("TQ_MAINTENANCE_S", 5)
         self.producer_threads = max(1, env_int("PRODUCER_CONNECTIONS", 2))
         self.stats = Stats()
@@ -287,7 +288,8 @@ class Adapter:
 
     def maintenance(self) -> None:
         """Every TQ_MAINTENANCE_S: the tasks of bench workers whose session is gone (a killed
-        replica) go back at once, and those of silent leases once they expire."""
+        replica) go back at once, those of silent leases once they expire, and tasks finished
+        over TQ_ARCHIVE_AFTER_S ago (60) leave worker_tasks, as the drain sensor does."""
         queue: TaskQueue | None = None
         while not self.stop.is_set():
             try:
@@ -302,8 +304,14 @@ class Adapter:
                             (WORKER_PREFIX + "%",),
                         ).fetchall()
                     ]
+                    # As the drain sensor does (0022); a queue migrated before 0022 has no archive.
+                    archives = conn.execute(
+                        "SELECT to_regprocedure('archive_tasks(timestamptz, integer)') IS NOT NULL"
+                    ).fetchone()[0]  # type: ignore[index]
                 released = queue.release_dead_workers(ids) if ids else None
                 expired = queue.expire_leases()
+                if archives:
+                    queue.archive_finished(self.archive_after, limit=5000)
                 if released and (released.recovered or released.failed):
                     log(
                         f"dead workers: {released.workers_offline} offline, {released.recovered} "
