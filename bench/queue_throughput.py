@@ -20,6 +20,10 @@ without. The tasks' platform has no limits: this is the bare queue.
 ``--before VERSION`` compares against the queue as it was before VERSION (the migrations before
 it), for a change whose later migrations need it.
 
+``--archive-every S`` runs, beside the workers of a schema with migration 0022, what the drain
+sensor does every 5 s in production, compressed: every S seconds ``archive_tasks`` moves up to
+5,000 finished tasks out of worker_tasks, so that the move's cost falls inside the timed run.
+
 ``--without 0013`` (lease tokens) compares against the worker-id API that 0013 replaced: on the
 schema without it, the same TaskQueue and Worker code runs through :class:`WorkerIdQueue`, which
 sends each statement in its 0012 form (the worker id instead of the tasks' lease tokens).
@@ -211,7 +215,30 @@ def _worker(url: str, lease_tokens: bool, mode: str, batch: int, n: int, barrier
         out.put((done, claims, time.monotonic()))
 
 
-def run_queue(url: str, workers: int, mode: str, batch: int) -> tuple[int, int, float]:
+def has_archive(url: str) -> bool:
+    """Whether the schema moves finished tasks out of worker_tasks (migration 0022)."""
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT to_regprocedure('archive_tasks(timestamptz, integer)') IS NOT NULL"
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def _archiver(url: str, every: float, stop, out) -> None:  # type: ignore[no-untyped-def]
+    """What the drain sensor does, compressed: every ``every`` seconds, up to 5,000 tasks finished
+    by then move to worker_task_history."""
+    moved = 0
+    with psycopg.connect(url, autocommit=True) as conn:
+        while not stop.wait(every):
+            row = conn.execute("SELECT archive_tasks(now(), 5000)").fetchone()
+            moved += row[0] if row else 0
+    out.put(moved)
+
+
+def run_queue(
+    url: str, workers: int, mode: str, batch: int, archive_every: float = 0
+) -> tuple[int, int, float, int]:
+    """Tasks done, claim calls, seconds, and tasks the archiver moved while the workers ran."""
     lease_tokens = has_lease_tokens(url)
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(workers + 1)
@@ -220,14 +247,29 @@ def run_queue(url: str, workers: int, mode: str, batch: int) -> tuple[int, int, 
         ctx.Process(target=_worker, args=(url, lease_tokens, mode, batch, n, barrier, out))
         for n in range(workers)
     ]
+    stop, archived = ctx.Event(), ctx.Queue()
+    archiver = None
+    if archive_every > 0 and has_archive(url):
+        archiver = ctx.Process(target=_archiver, args=(url, archive_every, stop, archived))
     for p in procs:
         p.start()
     barrier.wait()
     start = time.monotonic()
+    if archiver is not None:
+        archiver.start()
     results = [out.get() for _ in procs]
     for p in procs:
         p.join()
-    return sum(r[0] for r in results), sum(r[1] for r in results), max(r[2] for r in results) - start
+    stop.set()
+    moved = archived.get() if archiver is not None else 0
+    if archiver is not None:
+        archiver.join()
+    return (
+        sum(r[0] for r in results),
+        sum(r[1] for r in results),
+        max(r[2] for r in results) - start,
+        moved,
+    )
 
 
 def run_pgbench(server: str, seconds: int, clients: int = 16) -> float:
@@ -286,6 +328,12 @@ def main() -> None:
     )
     parser.add_argument("--before", default="", help="or: the schema as it was before this migration version")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each case per schema (medians)")
+    parser.add_argument(
+        "--archive-every",
+        type=float,
+        default=0,
+        help="seconds: beside the workers, archive_tasks moves what has finished (schemas with 0022)",
+    )
     args = parser.parse_args()
     if args.without and args.before:
         parser.error("--without and --before: one of them")
@@ -311,12 +359,16 @@ def main() -> None:
         for mode in args.modes.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
                 runs: dict[str, list[tuple[int, float]]] = {name: [] for name in schemas}
+                moved: dict[str, list[int]] = {name: [] for name in schemas}
                 for r in range(args.repeat):
                     for schema in list(schemas)[:: 1 if r % 2 == 0 else -1]:
                         load(schemas[schema], args.tasks, args.stores, layout)
-                        done, claims, seconds = run_queue(schemas[schema], workers, mode, args.batch)
+                        done, claims, seconds, archived = run_queue(
+                            schemas[schema], workers, mode, args.batch, args.archive_every
+                        )
                         assert done == args.tasks, f"{done} of {args.tasks} completed"
                         runs[schema].append((claims, seconds))
+                        moved[schema].append(archived)
                 label = {
                     "single": "single",
                     "batch": f"batch {args.batch}",
@@ -335,6 +387,8 @@ def main() -> None:
                         f"| {seconds:.2f} | {rate:,.0f} | {rate / tps:.2f} |{ratio}",
                         flush=True,
                     )
+                    if any(moved[schema]):
+                        print(f"  ({schema}: archived while the workers ran: {moved[schema]})", flush=True)
     tps_after = run_pgbench(args.url, args.pgbench_seconds)
     print(f"\npgbench again after the runs: {tps_after:,.0f} TPS")
 

@@ -2,6 +2,7 @@
 worker_tasks to worker_task_history; v_tasks reads both; a resync day is still made once per store.
 """
 
+# ruff: noqa: F811 (the worker fixture, imported, is a test's argument)
 import threading
 from datetime import UTC, datetime, timedelta
 
@@ -9,6 +10,7 @@ import psycopg
 import pytest
 
 from tests.helpers import add_stores, assert_store_state_consistent
+from tests.integration.test_attacks import Worker, make_role, worker  # noqa: F401
 from tq_pipelines.queue.api import QueueInputError, TaskQueue
 
 ROLE = "product_resync"
@@ -97,7 +99,7 @@ def test_archives_beside_a_busy_queue_lose_no_task_and_move_each_once(db_url: st
     enqueued: list[int] = []
     lock = threading.Lock()
 
-    def worker(n: int) -> None:
+    def drain(n: int) -> None:
         try:
             with TaskQueue.connect(db_url, max_size=2) as q:
                 i = 0
@@ -122,7 +124,7 @@ def test_archives_beside_a_busy_queue_lose_no_task_and_move_each_once(db_url: st
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    threads = [threading.Thread(target=drain, args=(n,)) for n in range(4)]
     threads += [threading.Thread(target=archiver) for _ in range(2)]
     for t in threads:
         t.start()
@@ -228,3 +230,41 @@ def test_the_prune_takes_the_history_and_the_keys_and_the_day_can_be_made_again(
     # The rollup of their hours was kept; and a backfill of the day makes it again, as before.
     assert conn.execute("SELECT sum(tasks_completed) FROM task_completion_log").fetchone() == (5,)
     assert queue.generate_resync(day=day) == 5
+
+
+def test_the_worker_role_reads_every_task_and_writes_neither_table(
+    worker: Worker, conn: psycopg.Connection, queue: TaskQueue
+):
+    """As the role `tq grant` makes, through plain SQL: the history and the keys are the queue's
+    functions' to write; the worker reads v_tasks and may run the archive, which moves only
+    what has finished."""
+    add_stores(conn, 3)
+    today = datetime.now(UTC).date()
+    assert queue.generate_resync(day=today) == 3
+    first, *_ = queue.claim_many(ROLE, "w", 1, start=True)
+    assert queue.complete(first)
+    tables = ("worker_tasks", "worker_task_history", "worker_task_resyncs")
+    before = {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone() for t in tables}
+    with worker.connect() as w:
+        for statement in (
+            "DELETE FROM worker_task_resyncs",
+            "INSERT INTO worker_task_resyncs VALUES (current_date, 'product_resync', 1)",
+            f"INSERT INTO worker_task_history SELECT * FROM v_tasks WHERE id = {first.id}",
+            "UPDATE worker_task_history SET status = 'failed'",
+            "DELETE FROM worker_task_history",
+            "SELECT count(*) FROM worker_task_history",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                w.execute(statement)
+        assert w.execute("SELECT count(*) FROM v_tasks").fetchone() == (3,)
+        # The archive, asked to move everything, moves the one finished task and nothing else.
+        assert w.execute("SELECT archive_tasks(now() + INTERVAL '1 year', 100000)").fetchone() == (1,)
+        # And the day cannot be made twice through it.
+        assert w.execute("SELECT generate_resync_tasks(6, %s, '{dutchie}')", (today,)).fetchone() == (0,)
+    after = {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone() for t in tables}
+    assert after == {
+        "worker_tasks": (before["worker_tasks"][0] - 1,),  # type: ignore[index]
+        "worker_task_history": (1,),
+        "worker_task_resyncs": (3,),
+    }
+    assert conn.execute("SELECT id, status FROM worker_task_history").fetchall() == [(first.id, "completed")]
