@@ -64,8 +64,15 @@ BEGIN
     WHERE t.id = p.id
     RETURNING t.*
   )
-  INSERT INTO worker_task_history
-  SELECT * FROM moved;
+  INSERT INTO worker_task_history (
+      id, role, dispensary_id, platform, status, priority, scheduled_for, worker_id, claimed_at,
+      started_at, completed_at, last_heartbeat_at, result, error_message, retry_count, max_retries,
+      created_at, updated_at, resync_date, due_at, payload, send_at, lease_hash)
+  SELECT
+      id, role, dispensary_id, platform, status, priority, scheduled_for, worker_id, claimed_at,
+      started_at, completed_at, last_heartbeat_at, result, error_message, retry_count, max_retries,
+      created_at, updated_at, resync_date, due_at, payload, send_at, lease_hash
+  FROM moved;
   GET DIAGNOSTICS v_moved = ROW_COUNT;
   RETURN v_moved;
 END;

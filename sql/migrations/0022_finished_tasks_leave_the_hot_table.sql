@@ -2,9 +2,9 @@
 --
 -- worker_tasks held every task it was ever given until retention deleted it, days later: a
 -- queue of a few hundred live tasks in a table of millions of finished ones. Every scan of it
--- (an analyst's count, a report, the lineage sensor's row count) read the history, and under a
--- held snapshot the history's pages were what such a scan spent its time on (docs/BENCHMARKS.md,
--- "Finished tasks out of the hot table (0022)"). Now archive_tasks moves tasks finished before a
+-- (an analyst's count, a report, the lineage sensor's row count) read the history: 252,197
+-- finished tasks when the long-horizon bench's readers began (docs/BENCHMARKS.md, "Finished
+-- tasks out of the hot table (0022)"). Now archive_tasks moves tasks finished before a
 -- given time into worker_task_history, a batch per call, in one statement (a DELETE whose rows
 -- the INSERT takes): a task is in exactly one of the two tables at any snapshot. The drain
 -- sensor calls it every tick for tasks finished over a minute ago; prune_tasks archives what is
@@ -79,10 +79,21 @@ FROM worker_tasks t
 WHERE t.resync_date IS NOT NULL AND t.dispensary_id IS NOT NULL
 ON CONFLICT DO NOTHING;
 
+-- The columns named, here and in every copy between the tables below, so that the two tables'
+-- column orders need not agree. (A column a deployment added to worker_tasks is not carried
+-- into the history: add it there, and to these lists, in a migration of its own.)
 CREATE VIEW v_tasks AS
-SELECT * FROM worker_tasks
+SELECT
+    id, role, dispensary_id, platform, status, priority, scheduled_for, worker_id, claimed_at,
+    started_at, completed_at, last_heartbeat_at, result, error_message, retry_count, max_retries,
+    created_at, updated_at, resync_date, due_at, payload, send_at, lease_hash
+FROM worker_tasks
 UNION ALL
-SELECT * FROM worker_task_history;
+SELECT
+    id, role, dispensary_id, platform, status, priority, scheduled_for, worker_id, claimed_at,
+    started_at, completed_at, last_heartbeat_at, result, error_message, retry_count, max_retries,
+    created_at, updated_at, resync_date, due_at, payload, send_at, lease_hash
+FROM worker_task_history;
 COMMENT ON VIEW v_tasks IS
   'Every task: those in the queue or finished in the last minutes (worker_tasks) and those archived (worker_task_history)';
 INSERT INTO tq_relations (relation_name) VALUES ('v_tasks') ON CONFLICT DO NOTHING;
@@ -140,8 +151,15 @@ BEGIN
     WHERE t.id = p.id
     RETURNING t.*
   )
-  INSERT INTO worker_task_history
-  SELECT * FROM moved;
+  INSERT INTO worker_task_history (
+      id, role, dispensary_id, platform, status, priority, scheduled_for, worker_id, claimed_at,
+      started_at, completed_at, last_heartbeat_at, result, error_message, retry_count, max_retries,
+      created_at, updated_at, resync_date, due_at, payload, send_at, lease_hash)
+  SELECT
+      id, role, dispensary_id, platform, status, priority, scheduled_for, worker_id, claimed_at,
+      started_at, completed_at, last_heartbeat_at, result, error_message, retry_count, max_retries,
+      created_at, updated_at, resync_date, due_at, payload, send_at, lease_hash
+  FROM moved;
   GET DIAGNOSTICS v_moved = ROW_COUNT;
   RETURN v_moved;
 END;
@@ -149,10 +167,17 @@ $$ LANGUAGE plpgsql;
 COMMENT ON FUNCTION archive_tasks(TIMESTAMPTZ, INTEGER) IS
   'Move up to N tasks finished before a time from worker_tasks to worker_task_history, oldest first';
 
--- What a database migrated before 0022 finished, moved now (one statement: a large history
--- takes a while, and the table's lock is held meanwhile only for its rows).
-INSERT INTO worker_task_history
-SELECT * FROM worker_tasks
+-- What a database migrated before 0022 finished moves now, in the migration's transaction: with
+-- a long history, as long as copying it once (docs/DEPLOYMENT.md).
+INSERT INTO worker_task_history (
+    id, role, dispensary_id, platform, status, priority, scheduled_for, worker_id, claimed_at,
+    started_at, completed_at, last_heartbeat_at, result, error_message, retry_count, max_retries,
+    created_at, updated_at, resync_date, due_at, payload, send_at, lease_hash)
+SELECT
+    id, role, dispensary_id, platform, status, priority, scheduled_for, worker_id, claimed_at,
+    started_at, completed_at, last_heartbeat_at, result, error_message, retry_count, max_retries,
+    created_at, updated_at, resync_date, due_at, payload, send_at, lease_hash
+FROM worker_tasks
 WHERE status IN ('completed', 'failed', 'cancelled') AND completed_at IS NOT NULL;
 DELETE FROM worker_tasks t
 USING worker_task_history h

@@ -159,7 +159,7 @@ def test_a_resync_day_is_made_once_though_its_tasks_were_archived(db_url: str, c
     stores = add_stores(conn, 30)
     today = datetime.now(UTC).date()
     with TaskQueue.connect(db_url, max_size=2) as q:
-        assert q.generate_resync(day=today) == 30
+        assert q.generate_resync(day=today, batches_per_day=1) == 30  # all due at 00:00 UTC
         for task in q.claim_many(ROLE, "w", 20, start=True):
             q.complete(task)
         assert q.archive_finished(0) == 20

@@ -62,6 +62,29 @@ def test_worker_drains_500_tasks(conn: psycopg.Connection, queue: TaskQueue, con
     assert_store_state_consistent(conn)
 
 
+def test_a_steady_stream_keeps_the_held_tasks_within_twice_the_threads(
+    conn: psycopg.Connection, queue: TaskQueue
+):
+    """Was: with threads, outcomes were written only on a pass of the main loop that claimed
+    nothing. Under a steady stream every pass claims, so finished tasks piled up held, unwritten,
+    their leases heartbeaten: 1,445 in a long-horizon run, past the 1,000 that heartbeat_tasks
+    takes, and their heartbeat refused. Now each pass writes what finished: a task is held from
+    its claim until the pass after its handler returns."""
+    add_tasks(conn, ROLE, add_stores(conn, 1500), 1)
+    held: list[int] = []
+    worker: Worker | None = None
+
+    def handler(task: Task, ctx: TaskContext) -> Any:
+        assert worker is not None
+        held.append(len(worker._in_flight))
+
+    worker = Worker(queue, ROLE, handler, worker_id="steady", concurrency=8, batch_size=50)
+    stats = worker.run()
+    assert (stats.completed, stats.lost) == (1500, 0)
+    assert max(held) <= 2 * 8, sorted(held)[-5:]
+    assert status_counts(conn) == {"completed": 1500}
+
+
 def test_handler_errors_are_retried_then_failed(conn: psycopg.Connection, queue: TaskQueue):
     """A handler raising ValueError sends its task back to pending with a backoff (stats.retried);
     rerun after the backoff, it fails for good once max_retries retries are spent."""

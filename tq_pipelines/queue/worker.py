@@ -478,10 +478,13 @@ class Worker:
                 if claimed or running:
                     idle_since = None
                 if claimed:
+                    # What finished while we claimed is recorded now too: under a steady stream
+                    # every pass claims, and outcomes left for a pass that claims nothing would
+                    # pile up unwritten, their leases heartbeaten (or, past 1,000, not at all).
                     outcomes = (
                         self._run_inline(self._contexts(claimed))
                         if pool is None
-                        else self._submit(pool, running, claimed)
+                        else self._submit(pool, running, claimed) + self._finished(running)
                     )
                 elif running:
                     # Platforms free up without our handlers finishing (other runs complete,
@@ -492,10 +495,7 @@ class Worker:
                     self._wake.clear()
                     self._take_handed(running)
                     # Whatever else finished meanwhile is recorded in the same write.
-                    done = {f for f in running if f.done()}
-                    outcomes = [f.result() for f in done]
-                    for f in done:
-                        del running[f]
+                    outcomes = self._finished(running)
                 elif budget_left and not self._stop.is_set() and (pause := self._platform_wait(idle_since)):
                     idle_since = idle_since or time.monotonic()
                     self._stop.wait(pause)
@@ -642,6 +642,14 @@ class Worker:
             future.add_done_callback(self._on_done(ctx))
             running[future] = ctx
         return []
+
+    @staticmethod
+    def _finished(running: dict[Future[_Outcome], TaskContext]) -> list[_Outcome]:
+        """The outcomes of the handlers that have finished, out of ``running``."""
+        done = [f for f in running if f.done()]
+        for f in done:
+            del running[f]
+        return [f.result() for f in done]
 
     def _on_done(self, ctx: TaskContext) -> Callable[[Future[_Outcome]], None]:
         """Wake the main loop when a finished task may leave it something to do now: an outcome
