@@ -291,10 +291,16 @@ class Adapter:
         replica) go back at once, those of silent leases once they expire, and tasks finished
         over TQ_ARCHIVE_AFTER_S ago (60) leave worker_tasks, as the drain sensor does."""
         queue: TaskQueue | None = None
+        archives = False
         while not self.stop.is_set():
             try:
                 if queue is None:
                     queue = open_queue(self.url, 1, "tq-bench-maintenance")
+                    with queue.pool.connection() as conn:
+                        # As the drain sensor does (0022); a queue migrated before 0022 has no archive.
+                        archives = conn.execute(
+                            "SELECT to_regprocedure('archive_tasks(timestamptz, integer)') IS NOT NULL"
+                        ).fetchone()[0]  # type: ignore[index]
                 with queue.pool.connection() as conn:
                     ids = [
                         r[0]
@@ -304,10 +310,6 @@ class Adapter:
                             (WORKER_PREFIX + "%",),
                         ).fetchall()
                     ]
-                    # As the drain sensor does (0022); a queue migrated before 0022 has no archive.
-                    archives = conn.execute(
-                        "SELECT to_regprocedure('archive_tasks(timestamptz, integer)') IS NOT NULL"
-                    ).fetchone()[0]  # type: ignore[index]
                 released = queue.release_dead_workers(ids) if ids else None
                 expired = queue.expire_leases()
                 if archives:
