@@ -1,15 +1,16 @@
-"""What moving finished tasks out of the hot table costs, beside what completing them costs (0022).
+"""What a completed task's way out of the hot table costs: moved by its completion (0023) against
+completed in place and archived later (0022), in one run.
 
     python bench/archive_cost.py [--url URL] [--tasks 20000] [--stores 5000] [--batch 5000]
                                  [--rounds 3]
 
-One database with the project's migrations. Each round: ``--tasks`` tasks are enqueued (one
-INSERT of many rows), claimed with start 50 at a time and completed 50 at a time
-(``complete_tasks``), the completions timed; then ``archive_tasks`` moves them to
-worker_task_history ``--batch`` at a time, timed. Each statement is its own transaction on a
-local connection; the figures are the client's time per task (claim excluded), medians over the
-rounds, so the archive is set against the completion it follows in the same run and database.
-The history grows round by round, as it would between prunes.
+Two databases on one server: the project's migrations, and the migrations before 0023. Each
+round, on each: ``--tasks`` tasks are enqueued (one INSERT of many rows), claimed with start 50
+at a time and completed 50 at a time (``complete_tasks``), the completions timed; then
+``archive_tasks`` moves what is left ``--batch`` at a time, timed (before 0023 every completed
+task, since then none). Each statement is its own transaction on a local connection; the figures
+are the client's time per task (claim excluded), medians over the rounds, rounds alternating
+between the schemas. The history grows round by round, as it would between prunes.
 """
 
 import statistics
@@ -22,15 +23,16 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.queue_throughput import recreate_db, reset_stores, server_parser
-from tq_pipelines.db.migrate import migrate
+from tq_pipelines.db.migrate import load_migrations, migrate
 
 ROLE = "product_resync"
 WORKER = "bench-archive"
 CLAIM = "SELECT (c).task.id, (c).lease FROM claim_tasks(%s, %s, 50, true) AS c"
+SCHEMAS = ("0023", "before 0023")
 
 
 def one_round(conn: psycopg.Connection, tasks: int, stores: int, batch: int) -> tuple[float, float]:
-    """Seconds per task: completing them, then archiving them."""
+    """Seconds per task: completing them, then archiving what the completions left."""
     conn.execute(
         "INSERT INTO worker_tasks (role, dispensary_id, platform)"
         " SELECT %s, d.id, 'dutchie' FROM dispensaries d CROSS JOIN generate_series(1, %s) g",
@@ -53,8 +55,7 @@ def one_round(conn: psycopg.Connection, tasks: int, stores: int, batch: int) -> 
         if not row or not row[0]:
             break
         moved += row[0]
-    assert moved == done, (moved, done)
-    return completing / done, archiving / moved
+    return completing / done, archiving / done
 
 
 def main() -> None:
@@ -65,31 +66,43 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    url = recreate_db(args.url, "tq_bench_archive")
-    migrate(url)
-    results: list[tuple[float, float]] = []
-    with psycopg.connect(url, autocommit=True) as conn:
-        reset_stores(conn, args.stores)
-        conn.execute("SELECT register_worker(%s, %s)", (WORKER, ROLE))
+    urls = {
+        "0023": recreate_db(args.url, "tq_bench_archive"),
+        "before 0023": recreate_db(args.url, "tq_bench_archive_before"),
+    }
+    migrate(urls["0023"])
+    migrate(urls["before 0023"], [m for m in load_migrations() if m.version < "0023"])
+    conns = {k: psycopg.connect(u, autocommit=True) for k, u in urls.items()}
+    results: dict[str, list[tuple[float, float]]] = {k: [] for k in SCHEMAS}
+    try:
+        for conn in conns.values():
+            reset_stores(conn, args.stores)
+            conn.execute("SELECT register_worker(%s, %s)", (WORKER, ROLE))
         for n in range(args.rounds):
-            results.append(one_round(conn, args.tasks, args.stores, args.batch))
-            conn.execute("VACUUM ANALYZE worker_tasks, worker_task_history")
-            c, a = results[-1]
-            print(f"round {n + 1}: complete {c * 1e6:.1f} us/task, archive {a * 1e6:.1f} us/task", flush=True)
-        size = conn.execute(
-            "SELECT pg_size_pretty(pg_total_relation_size('worker_tasks')),"
-            " pg_size_pretty(pg_total_relation_size('worker_task_history'))"
-        ).fetchone()
-    complete = statistics.median(c for c, _ in results)
-    archive = statistics.median(a for _, a in results)
+            for schema in SCHEMAS:
+                conn = conns[schema]
+                results[schema].append(one_round(conn, args.tasks, args.stores, args.batch))
+                conn.execute("VACUUM ANALYZE worker_tasks, worker_task_history")
+                c, a = results[schema][-1]
+                print(
+                    f"round {n + 1}, {schema}: complete {c * 1e6:.1f} us/task, archive {a * 1e6:.1f} us/task",
+                    flush=True,
+                )
+    finally:
+        for conn in conns.values():
+            conn.close()
     print()
-    print("| per task (median of rounds) | microseconds |")
-    print("|---|---:|")
-    print(f"| `complete_tasks`, 50 a call | {complete * 1e6:.1f} |")
-    print(f"| `archive_tasks`, {args.batch} a call | {archive * 1e6:.1f} |")
-    print(f"| archive / complete | {archive / complete:.2f} |")
-    tasks_size, history_size = size if size else ("?", "?")
-    print(f"\nworker_tasks {tasks_size}, worker_task_history {history_size} at the end")
+    print("| per task (median of rounds) | complete (`complete_tasks`, 50 a call) | archive | both |")
+    print("|---|---:|---:|---:|")
+    both = {}
+    for schema in SCHEMAS:
+        complete = statistics.median(c for c, _ in results[schema])
+        archive = statistics.median(a for _, a in results[schema])
+        both[schema] = complete + archive
+        print(
+            f"| {schema} | {complete * 1e6:.1f} µs | {archive * 1e6:.1f} µs | {both[schema] * 1e6:.1f} µs |"
+        )
+    print(f"\n0023 / before 0023, both: {both['0023'] / both['before 0023']:.2f}")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def audit(url: str, tasks: int) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         completed, effects, distinct = conn.execute(
             """
-            SELECT (SELECT count(*) FROM worker_tasks WHERE status = 'completed'),
+            SELECT (SELECT count(*) FROM v_tasks WHERE status = 'completed'),
                    (SELECT count(*) FROM effects),
                    (SELECT count(DISTINCT task_id) FROM effects)
             """

@@ -131,7 +131,10 @@ def load_stores(url: str, profiles: list[PlatformProfile]) -> int:
         sim = Simulator([profile]).platforms[profile.name]
         rows += [(s.name, profile.name, s.platform_id, s.directory_id) for s in sim.stores.values()]
     with psycopg.connect(url, autocommit=True) as conn, conn.cursor() as cur:
-        cur.execute("TRUNCATE worker_tasks, worker_task_heads, worker_task_stores, worker_registry CASCADE")
+        cur.execute(
+            "TRUNCATE worker_tasks, worker_task_history, worker_task_heads, worker_task_stores,"
+            " worker_registry CASCADE"
+        )
         cur.execute("DELETE FROM dispensaries")
         cur.executemany(
             """
@@ -204,7 +207,7 @@ def shares(url: str, role: str) -> list[int]:
     """Stores completed by each run (worker), largest first."""
     with psycopg.connect(url) as conn:
         rows = conn.execute(
-            "SELECT count(*) FROM worker_tasks WHERE status = 'completed' AND role = %s"
+            "SELECT count(*) FROM v_tasks WHERE status = 'completed' AND role = %s"
             " GROUP BY worker_id ORDER BY 1 DESC",
             (role,),
         ).fetchall()
@@ -214,7 +217,7 @@ def shares(url: str, role: str) -> list[int]:
 def rate(url: str, role: str) -> tuple[int, float]:
     with psycopg.connect(url) as conn:
         n, seconds = conn.execute(
-            "SELECT count(*), extract(EPOCH FROM max(completed_at) - min(claimed_at)) FROM worker_tasks"
+            "SELECT count(*), extract(EPOCH FROM max(completed_at) - min(claimed_at)) FROM v_tasks"
             " WHERE status = 'completed' AND role = %s",
             (role,),
         ).fetchone()  # type: ignore[misc]
@@ -313,7 +316,7 @@ def main() -> None:
     resync_shares = shares(url, "product_resync")
     with psycopg.connect(url) as conn:
         changed_menus = conn.execute(
-            "SELECT count(*) FILTER (WHERE NOT (result->>'unchanged')::boolean) FROM worker_tasks"
+            "SELECT count(*) FILTER (WHERE NOT (result->>'unchanged')::boolean) FROM v_tasks"
             " WHERE role = 'product_resync' AND status = 'completed'"
         ).fetchone()[0]  # type: ignore[index]
     resync_stats = server_stats(sim)  # before the probe's own requests

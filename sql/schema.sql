@@ -479,23 +479,11 @@ CREATE FUNCTION public.complete_task(p_task_id integer, p_lease uuid, p_result j
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
-DECLARE
-  v_worker VARCHAR;
 BEGIN
-  UPDATE worker_tasks
-  SET status = 'completed',
-      result = p_result,
-      error_message = NULL,
-      started_at = coalesce(started_at, claimed_at),
-      completed_at = now()
-  WHERE id = p_task_id
-    AND lease_hash = tq_lease_hash(p_lease)
-    AND status IN ('claimed', 'running')
-  RETURNING worker_id INTO v_worker;
-  IF NOT FOUND THEN
+  IF NOT complete_task_tx(p_task_id, p_lease, p_result) THEN
     RETURN false;
   END IF;
-  PERFORM worker_completed(v_worker, 1);
+  PERFORM worker_completed((SELECT h.worker_id FROM worker_task_history h WHERE h.id = p_task_id), 1);
   RETURN true;
 END;
 $$;
@@ -510,15 +498,23 @@ CREATE FUNCTION public.complete_task_tx(p_task_id integer, p_lease uuid, p_resul
     SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
-  UPDATE worker_tasks
-  SET status = 'completed',
-      result = p_result,
-      error_message = NULL,
-      started_at = coalesce(started_at, claimed_at),
-      completed_at = now()
-  WHERE id = p_task_id
-    AND lease_hash = tq_lease_hash(p_lease)
-    AND status IN ('claimed', 'running');
+  WITH done AS (
+    DELETE FROM worker_tasks t
+    WHERE t.id = p_task_id
+      AND t.lease_hash = tq_lease_hash(p_lease)
+      AND t.status IN ('claimed', 'running')
+    RETURNING t.*
+  )
+  INSERT INTO worker_task_history (
+      id, role, dispensary_id, platform, status, priority, scheduled_for, worker_id, claimed_at,
+      started_at, completed_at, last_heartbeat_at, result, error_message, retry_count, max_retries,
+      created_at, updated_at, resync_date, due_at, payload, send_at, lease_hash)
+  SELECT
+      d.id, d.role, d.dispensary_id, d.platform, 'completed', d.priority, d.scheduled_for,
+      d.worker_id, d.claimed_at, coalesce(d.started_at, d.claimed_at), now(), d.last_heartbeat_at,
+      p_result, NULL, d.retry_count, d.max_retries, d.created_at, now(), d.resync_date, d.due_at,
+      d.payload, d.send_at, d.lease_hash
+  FROM done d;
   RETURN FOUND;
 END;
 $$;
@@ -563,21 +559,30 @@ BEGIN
   END IF;
 
   WITH done AS (
-    UPDATE worker_tasks t
-    SET status = 'completed',
-        result = r.result,
-        error_message = NULL,
-        started_at = CASE
-          WHEN r.began IS NULL THEN coalesce(t.started_at, t.claimed_at)
-          ELSE least(t.claimed_at + make_interval(secs => greatest(r.began, 0)), now()) END,
-        completed_at = CASE
-          WHEN r.ended IS NULL THEN now()
-          ELSE least(t.claimed_at + make_interval(secs => greatest(r.ended, coalesce(r.began, 0), 0)), now()) END
-    FROM unnest(p_task_ids, p_leases, p_results, p_began_after, p_ended_after) AS r (id, lease, result, began, ended)
+    DELETE FROM worker_tasks t
+    USING unnest(p_task_ids, p_leases, p_results, p_began_after, p_ended_after) AS r (id, lease, result, began, ended)
     WHERE t.id = r.id
       AND t.lease_hash = tq_lease_hash(r.lease)
       AND t.status IN ('claimed', 'running')
-    RETURNING t.id, t.worker_id
+    RETURNING t.*, r.result AS new_result, r.began, r.ended
+  ),
+  moved AS (
+    INSERT INTO worker_task_history (
+        id, role, dispensary_id, platform, status, priority, scheduled_for, worker_id, claimed_at,
+        started_at, completed_at, last_heartbeat_at, result, error_message, retry_count, max_retries,
+        created_at, updated_at, resync_date, due_at, payload, send_at, lease_hash)
+    SELECT
+        d.id, d.role, d.dispensary_id, d.platform, 'completed', d.priority, d.scheduled_for,
+        d.worker_id, d.claimed_at,
+        CASE
+          WHEN d.began IS NULL THEN coalesce(d.started_at, d.claimed_at)
+          ELSE least(d.claimed_at + make_interval(secs => greatest(d.began, 0)), now()) END,
+        CASE
+          WHEN d.ended IS NULL THEN now()
+          ELSE least(d.claimed_at + make_interval(secs => greatest(d.ended, coalesce(d.began, 0), 0)), now()) END,
+        d.last_heartbeat_at, d.new_result, NULL, d.retry_count, d.max_retries, d.created_at, now(),
+        d.resync_date, d.due_at, d.payload, d.send_at, d.lease_hash
+    FROM done d
   ),
   -- Each worker's count (a batch is one worker's), appended in the same statement.
   counted AS (
@@ -4068,7 +4073,15 @@ CREATE FUNCTION public.tq_tasks_deleted() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 BEGIN
-  -- A deleted active task frees its store ...
+  -- A deleted active task (a completion, now) frees its store. The stores are locked in order
+  -- first, as the update trigger does: a batch of completions and a claim take them alike.
+  PERFORM 1
+  FROM worker_task_stores s
+  WHERE s.dispensary_id IN (
+      SELECT o.dispensary_id FROM old_tasks o WHERE o.status IN ('claimed', 'running')
+    )
+  ORDER BY s.dispensary_id
+  FOR UPDATE;
   UPDATE worker_task_stores s
   SET active_task_id = NULL
   FROM old_tasks o
@@ -4081,7 +4094,7 @@ BEGIN
     SELECT DISTINCT dispensary_id, role FROM old_tasks
     WHERE status = 'pending' AND dispensary_id IS NOT NULL
   ) k;
-  -- A resync task deleted, not archived (no row of it in the history now), takes its day's key
+  -- A resync task deleted, not moved (no row of it in the history now), takes its day's key
   -- with it: the day may be made again for its store, as when a unique index of worker_tasks
   -- was the key (0022).
   DELETE FROM worker_task_resyncs k
@@ -4152,8 +4165,18 @@ CREATE FUNCTION public.tq_tasks_platforms_deleted() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 BEGIN
-  PERFORM tq_platforms_apply(array_agg(o.platform), array_agg(-1), array_agg(o.id), array_agg('deleted'::VARCHAR))
+  -- No platform has limits: nothing to count (as the update trigger).
+  PERFORM 1 FROM tq_platforms LIMIT 1;
+  IF NOT FOUND THEN
+    RETURN NULL;
+  END IF;
+  -- A task holding a slot that is in the history now was completed (only a completion moves an
+  -- active task): the platform hears its answer. Any other delete gives the slot back unanswered.
+  PERFORM tq_platforms_apply(
+      array_agg(o.platform), array_agg(-1), array_agg(o.id),
+      array_agg(coalesce(h.status, 'deleted')::VARCHAR))
   FROM old_tasks o
+  LEFT JOIN worker_task_history h ON h.id = o.id
   WHERE o.status IN ('claimed', 'running')
     AND o.send_at IS NOT NULL
     AND o.platform IS NOT NULL;
@@ -5865,6 +5888,13 @@ CREATE TRIGGER dispensaries_platform_changed AFTER UPDATE OF menu_type ON public
 --
 
 CREATE TRIGGER worker_task_history_deleted AFTER DELETE ON public.worker_task_history REFERENCING OLD TABLE AS old_tasks FOR EACH STATEMENT EXECUTE FUNCTION public.tq_history_deleted();
+
+
+--
+-- Name: worker_task_history worker_task_history_sizes; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER worker_task_history_sizes BEFORE INSERT ON public.worker_task_history FOR EACH ROW WHEN (((pg_column_size(new.payload) > 1048576) OR (pg_column_size(new.result) > 1048576) OR (pg_column_size(new.error_message) > 8192))) EXECUTE FUNCTION public.tq_task_sizes();
 
 
 --

@@ -38,7 +38,7 @@ def add_tasks(
 
 
 def status_counts(conn: psycopg.Connection) -> dict[str, int]:
-    return dict(conn.execute("SELECT status, count(*) FROM worker_tasks GROUP BY status").fetchall())
+    return dict(conn.execute("SELECT status, count(*) FROM v_tasks GROUP BY status").fetchall())
 
 
 def assert_store_state_consistent(conn: psycopg.Connection) -> None:

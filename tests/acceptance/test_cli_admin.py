@@ -100,7 +100,7 @@ def test_tq_grant_makes_a_worker_that_drains_through_the_functions_only(
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             worker.execute("TRUNCATE worker_tasks")
     with psycopg.connect(db_url, autocommit=True) as conn:
-        statuses = dict(conn.execute("SELECT id, status FROM worker_tasks").fetchall())
+        statuses = dict(conn.execute("SELECT id, status FROM v_tasks").fetchall())
     assert statuses == {claimed[0][0]: "completed", claimed[1][0]: "claimed"}
 
 
@@ -132,7 +132,7 @@ def test_tq_prune_counts_then_deletes_old_finished_tasks_and_refuses_a_bad_horiz
         with psycopg.connect(db_url, autocommit=True) as conn:
             row = conn.execute(
                 "SELECT count(*) FILTER (WHERE completed_at < now() - interval '30 days'),"
-                " count(*) FILTER (WHERE completed_at >= now() - interval '30 days') FROM worker_tasks"
+                " count(*) FILTER (WHERE completed_at >= now() - interval '30 days') FROM v_tasks"
             ).fetchone()
         assert row is not None
         return row[0], row[1]

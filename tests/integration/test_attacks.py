@@ -103,11 +103,11 @@ def sync(conn: psycopg.Connection, limits: list[dict[str, Any]]) -> None:
 AUDIT = """
 SELECT
   -- tasks in flight whose requests go to dutchie: a store's on dutchie, or a listing of dutchie
-  (SELECT count(*) FROM worker_tasks t LEFT JOIN dispensaries d ON d.id = t.dispensary_id
+  (SELECT count(*) FROM v_tasks t LEFT JOIN dispensaries d ON d.id = t.dispensary_id
    WHERE t.status IN ('claimed', 'running')
      AND coalesce(d.menu_type, t.payload ->> 'platform') = 'dutchie') AS going,
   -- of those, the ones that hold one of dutchie's slots
-  (SELECT count(*) FROM worker_tasks t
+  (SELECT count(*) FROM v_tasks t
    WHERE t.status IN ('claimed', 'running') AND t.platform = 'dutchie' AND t.send_at IS NOT NULL) AS holding,
   (SELECT in_flight FROM tq_platforms WHERE platform = 'dutchie') AS in_flight
 """
@@ -141,7 +141,7 @@ def test_enqueues_with_no_or_another_platform_keep_the_stores_limits(
             (Jsonb({"platform": "dutchie", "region": "north"}),),
         )
         assert "platform must be the one the payload names, 'dutchie'" in str(error)
-        assert conn.execute("SELECT count(*) FROM worker_tasks").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM v_tasks").fetchone() == (0,)
 
         w.execute("SELECT enqueue_task('product_resync', %s)", (a,))  # the natural call
         w.execute("SELECT enqueue_task_once('product_resync', %s)", (b,))
@@ -152,7 +152,7 @@ def test_enqueues_with_no_or_another_platform_keep_the_stores_limits(
             (Jsonb({"platform": "dutchie", "region": "north"}),),
         )
     assert conn.execute(
-        "SELECT role, platform, count(*) FROM worker_tasks GROUP BY 1, 2 ORDER BY 1"
+        "SELECT role, platform, count(*) FROM v_tasks GROUP BY 1, 2 ORDER BY 1"
     ).fetchall() == [
         ("product_resync", "dutchie", 4),
         ("store_discovery", "dutchie", 1),
@@ -182,9 +182,9 @@ def test_enqueues_with_no_or_another_platform_keep_the_stores_limits(
                             assert w.execute(
                                 "SELECT complete_task(%s, %s, '{}')", (task_id, lease)
                             ).fetchone()
-                    elif w.execute(
-                        "SELECT count(*) FROM worker_tasks WHERE status <> 'completed'"
-                    ).fetchone() == (0,):
+                    elif w.execute("SELECT count(*) FROM v_tasks WHERE status <> 'completed'").fetchone() == (
+                        0,
+                    ):
                         return
                     else:
                         time.sleep(0.01)
@@ -199,9 +199,7 @@ def test_enqueues_with_no_or_another_platform_keep_the_stores_limits(
     assert errors == []
     assert max(going for going, _, _ in samples) == 1, "dutchie had more tasks in flight than its limit"
     assert all(going == holding == in_flight for going, holding, in_flight in samples), samples
-    assert conn.execute("SELECT status, count(*) FROM worker_tasks GROUP BY 1").fetchall() == [
-        ("completed", 5)
-    ]
+    assert conn.execute("SELECT status, count(*) FROM v_tasks GROUP BY 1").fetchall() == [("completed", 5)]
     assert conn.execute(AUDIT).fetchone() == (0, 0, 0)
 
 
@@ -238,7 +236,7 @@ def test_a_store_that_changes_platform_takes_its_pending_tasks_and_waits_for_its
 
     conn.execute("UPDATE dispensaries SET menu_type = 'jane' WHERE id = %s", (moved,))
     assert conn.execute(
-        "SELECT DISTINCT platform FROM worker_tasks WHERE dispensary_id = %s", (moved,)
+        "SELECT DISTINCT platform FROM v_tasks WHERE dispensary_id = %s", (moved,)
     ).fetchall() == [("jane",)]
     assert_store_state_consistent(conn)  # the heads carry the new platform
 
@@ -248,9 +246,7 @@ def test_a_store_that_changes_platform_takes_its_pending_tasks_and_waits_for_its
     assert conn.execute("SELECT menu_type FROM dispensaries WHERE id = %s", (busy,)).fetchone() == (
         "dutchie",
     )
-    assert conn.execute("SELECT platform FROM worker_tasks WHERE id = %s", (active,)).fetchone() == (
-        "dutchie",
-    )
+    assert conn.execute("SELECT platform FROM v_tasks WHERE id = %s", (active,)).fetchone() == ("dutchie",)
     assert_platform_counters_consistent(conn)
 
     # Anyone's SQL: no platform takes the store's, another is refused.
@@ -263,7 +259,7 @@ def test_a_store_that_changes_platform_takes_its_pending_tasks_and_waits_for_its
         assert w.execute("SELECT complete_task(%s, %s, '{}')", (active, lease)).fetchone() == (True,)
     conn.execute("UPDATE dispensaries SET menu_type = 'jane' WHERE id = %s", (busy,))
     assert conn.execute(
-        "SELECT status, platform FROM worker_tasks WHERE dispensary_id = %s ORDER BY id", (busy,)
+        "SELECT status, platform FROM v_tasks WHERE dispensary_id = %s ORDER BY id", (busy,)
     ).fetchall() == [("completed", "dutchie"), ("pending", "jane")]  # history keeps where it ran
 
 
@@ -301,9 +297,7 @@ def test_worker_completed_with_a_huge_count_leaves_the_victims_count_right(
     assert conn.execute("SELECT tasks_completed FROM v_workers WHERE worker_id = 'victim'").fetchone() == (
         2**31 - 2 + 3,
     )
-    assert conn.execute("SELECT status, count(*) FROM worker_tasks GROUP BY 1").fetchall() == [
-        ("completed", 3)
-    ]
+    assert conn.execute("SELECT status, count(*) FROM v_tasks GROUP BY 1").fetchall() == [("completed", 3)]
 
 
 def test_payloads_and_results_over_1_mb_are_refused_in_words(worker: Worker, conn: psycopg.Connection):
@@ -316,7 +310,7 @@ def test_payloads_and_results_over_1_mb_are_refused_in_words(worker: Worker, con
         ):
             error = refused(w, statement, (huge,))
             assert "payload must be at most 1 MB (1048576 bytes), got 200000" in str(error)
-        assert conn.execute("SELECT count(*) FROM worker_tasks").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM v_tasks").fetchone() == (0,)
 
         w.execute("SELECT enqueue_task('analytics_refresh') FROM generate_series(1, 2)")
         (first, first_lease), (second, second_lease) = sorted(
@@ -329,7 +323,7 @@ def test_payloads_and_results_over_1_mb_are_refused_in_words(worker: Worker, con
         ):
             error = refused(w, statement, params)
             assert "result must be at most 1 MB (1048576 bytes), got 200000" in str(error), statement
-        assert conn.execute("SELECT status, result FROM worker_tasks WHERE id = %s", (first,)).fetchone() == (
+        assert conn.execute("SELECT status, result FROM v_tasks WHERE id = %s", (first,)).fetchone() == (
             "running",
             None,
         )
@@ -342,7 +336,7 @@ def test_payloads_and_results_over_1_mb_are_refused_in_words(worker: Worker, con
             "SELECT fail_task(%s, %s, %s, false, NULL)", (second, second_lease, "e" * 20_000_000)
         ).fetchone() == ("failed",)
     [(length, tail)] = conn.execute(
-        "SELECT length(error_message), right(error_message, 40) FROM worker_tasks WHERE id = %s", (second,)
+        "SELECT length(error_message), right(error_message, 40) FROM v_tasks WHERE id = %s", (second,)
     ).fetchall()
     assert length == 8192 and tail.endswith("[... cut: 19,991,808 more characters]")
 
@@ -614,6 +608,4 @@ def test_a_crawl_of_tasks_enqueued_with_no_wrong_or_right_platform_keeps_the_lim
             assert report["over_in_flight"] == 0, (name, report)
     finally:
         sim.stop()
-    assert conn.execute("SELECT status, count(*) FROM worker_tasks GROUP BY 1").fetchall() == [
-        ("completed", 24)
-    ]
+    assert conn.execute("SELECT status, count(*) FROM v_tasks GROUP BY 1").fetchall() == [("completed", 24)]

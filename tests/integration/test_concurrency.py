@@ -22,7 +22,7 @@ def _overlaps(db_url: str, stop: threading.Event, seen: list[tuple[int, int]]) -
             seen.extend(
                 conn.execute(
                     """
-                    SELECT dispensary_id, count(*) FROM worker_tasks
+                    SELECT dispensary_id, count(*) FROM v_tasks
                     WHERE status IN ('claimed', 'running') AND dispensary_id IS NOT NULL
                     GROUP BY dispensary_id HAVING count(*) > 1
                     """
@@ -90,7 +90,7 @@ def test_32_workers_drain_adjacent_tasks_exactly_once(
     assert max(all_claimed.values()) == 1, "a task was claimed twice"
     assert sum(len(c) for c in completed) == total
     assert status_counts(conn) == {"completed": total}
-    by_owner = conn.execute("SELECT count(*) FROM worker_tasks WHERE result->>'by' <> worker_id").fetchone()
+    by_owner = conn.execute("SELECT count(*) FROM v_tasks WHERE result->>'by' <> worker_id").fetchone()
     assert by_owner == (0,)
     assert_store_state_consistent(conn)
     assert conn.execute("SELECT count(*) FROM worker_task_heads").fetchone() == (0,)

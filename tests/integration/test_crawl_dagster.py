@@ -109,7 +109,7 @@ def assert_drained(
 def tasks_of(conn: psycopg.Connection, role: str) -> list[tuple]:
     """(dispensary_id, platform, status, retry_count, worker_id, result) of the role's tasks."""
     return conn.execute(
-        "SELECT dispensary_id, platform, status, retry_count, worker_id, result FROM worker_tasks "
+        "SELECT dispensary_id, platform, status, retry_count, worker_id, result FROM v_tasks "
         "WHERE role = %s ORDER BY dispensary_id NULLS FIRST, id",
         (role,),
     ).fetchall()
@@ -118,7 +118,7 @@ def tasks_of(conn: psycopg.Connection, role: str) -> list[tuple]:
 def untouched(conn: psycopg.Connection) -> list[tuple]:
     """Tasks a run claimed, started, failed or retried: none for a run that failed up front."""
     return conn.execute(
-        "SELECT id, role, status, retry_count, worker_id FROM worker_tasks "
+        "SELECT id, role, status, retry_count, worker_id FROM v_tasks "
         "WHERE status <> 'pending' OR retry_count <> 0 OR worker_id IS NOT NULL "
         "   OR claimed_at IS NOT NULL OR started_at IS NOT NULL OR error_message IS NOT NULL"
     ).fetchall()
@@ -196,7 +196,7 @@ def test_a_whole_crawl_pass_through_dagster_runs(
     }
     assert sorted(
         conn.execute(
-            "SELECT platform, payload->>'platform', payload->>'region' FROM worker_tasks "
+            "SELECT platform, payload->>'platform', payload->>'region' FROM v_tasks "
             "WHERE role = 'store_discovery' AND payload - 'platform' - 'region' = '{}'"
         ).fetchall()
     ) == sorted((p, p, r) for p in PLATFORMS for r in REGIONS)
@@ -209,7 +209,7 @@ def test_a_whole_crawl_pass_through_dagster_runs(
         (p, ["127.0.0.1"]) for p in PLATFORMS
     ]
     listings = conn.execute(
-        "SELECT result FROM worker_tasks WHERE role = 'store_discovery' AND status = 'completed'"
+        "SELECT result FROM v_tasks WHERE role = 'store_discovery' AND status = 'completed'"
     ).fetchall()
     per_region = STORES // len(REGIONS)
     assert sorted((r["platform"], r["region"], r["listed"], r["new"]) for (r,) in listings) == sorted(
@@ -283,7 +283,7 @@ def test_a_whole_crawl_pass_through_dagster_runs(
     result = drain(db_url, "product_resync", path)
     assert_drained(result, len(fleet), AUTO_CONCURRENCY)
     resyncs = conn.execute(
-        "SELECT dispensary_id, status, resync_date, result, completed_at FROM worker_tasks "
+        "SELECT dispensary_id, status, resync_date, result, completed_at FROM v_tasks "
         "WHERE role = 'product_resync' ORDER BY dispensary_id"
     ).fetchall()
     assert [r[0] for r in resyncs] == sorted(sim_store)
@@ -335,7 +335,7 @@ def test_a_whole_crawl_pass_through_dagster_runs(
     result = drain(db_url, "store_discovery", path)
     assert_drained(result, len(PLATFORMS) * len(REGIONS), AUTO_CONCURRENCY)
     listings = conn.execute(
-        "SELECT result FROM worker_tasks WHERE role = 'store_discovery' AND worker_id = %s",
+        "SELECT result FROM v_tasks WHERE role = 'store_discovery' AND worker_id = %s",
         (f"store_discovery@run:{result.run_id}",),
     ).fetchall()
     assert sorted((r["listed"], r["new"]) for (r,) in listings) == [(per_region, 0)] * len(listings)
@@ -377,7 +377,7 @@ def test_the_platforms_files_hosts_reach_the_queue_through_the_drain_runs(
     resolved = conn.execute(
         "SELECT c.platform, c.directory_id, d.platform_dispensary_id, c.menu_url, t.status, t.error_message "
         "FROM store_crawl_state c JOIN dispensaries d ON d.id = c.dispensary_id "
-        "JOIN worker_tasks t ON t.dispensary_id = d.id AND t.role = 'entry_point_discovery'"
+        "JOIN v_tasks t ON t.dispensary_id = d.id AND t.role = 'entry_point_discovery'"
     ).fetchall()
     assert len(resolved) == 2 * STORES
     for platform, directory_id, platform_id, menu_url, status, error in resolved:
@@ -500,7 +500,7 @@ def test_an_http_role_with_its_own_handler_needs_no_platforms(
     add_tasks(conn, "product_resync", add_stores(conn, 3), 1)
     result = drain(db_url, "product_resync")
     assert_drained(result, 3, 1)  # no platforms to size it from: inline
-    assert conn.execute("SELECT DISTINCT status, result->>'handler' FROM worker_tasks").fetchall() == [
+    assert conn.execute("SELECT DISTINCT status, result->>'handler' FROM v_tasks").fetchall() == [
         ("completed", "noop")
     ]
 
@@ -551,7 +551,7 @@ def test_store_discovery_is_enqueued_once_per_platform_and_region_while_queued(
     second = run_job(enqueue_store_discovery_job, db_url, platforms_file=path)
     assert second.success, failure_text(second)
     assert op_metadata(second, "enqueue_store_discovery_tasks")["created"] == 0
-    rows = conn.execute("SELECT id, platform, payload, status FROM worker_tasks ORDER BY id").fetchall()
+    rows = conn.execute("SELECT id, platform, payload, status FROM v_tasks ORDER BY id").fetchall()
     assert sorted((p, json.dumps(payload, sort_keys=True)) for _, p, payload, _ in rows) == expected
     assert {s for _, _, _, s in rows} == {"pending"}
     last_id = rows[-1][0]
@@ -565,7 +565,7 @@ def test_store_discovery_is_enqueued_once_per_platform_and_region_while_queued(
     assert third.success, failure_text(third)
     assert op_metadata(third, "enqueue_store_discovery_tasks")["created"] == 1
     assert conn.execute(
-        "SELECT platform, payload, status FROM worker_tasks WHERE id > %s", (last_id,)
+        "SELECT platform, payload, status FROM v_tasks WHERE id > %s", (last_id,)
     ).fetchall() == [(done.platform, done.payload, "pending")]
 
 
@@ -587,7 +587,7 @@ def test_analytics_refresh_is_enqueued_once_while_queued(
         assert result.success, failure_text(result)
         created.append(op_metadata(result, "enqueue_analytics_refresh_task")["created"])
     assert created == [1, 0]
-    assert conn.execute("SELECT role, status, count(*) FROM worker_tasks GROUP BY 1, 2").fetchall() == [
+    assert conn.execute("SELECT role, status, count(*) FROM v_tasks GROUP BY 1, 2").fetchall() == [
         ("analytics_refresh", "pending", 1)
     ]
 
@@ -664,7 +664,7 @@ def test_a_failing_platform_is_alerted_once_and_the_healthy_one_not(
     assert_drained(result, 2 * STORES, 5, completed=STORES, retried=STORES)
     rows = conn.execute(
         "SELECT dispensary_id, status, retry_count, error_message, scheduled_for > now() "
-        "FROM worker_tasks ORDER BY dispensary_id"
+        "FROM v_tasks ORDER BY dispensary_id"
     ).fetchall()
     assert len(rows) == 2 * STORES
     for store_id, status, retries, error, later in rows:
@@ -716,7 +716,7 @@ def test_demo_crawl_resyncs_every_crawlable_store_once_at_a_time(
     assert op_metadata(first, "enqueue_demo_crawl")["created"] == 2
     assert op_metadata(again, "enqueue_demo_crawl")["created"] == 0  # still pending: none twice
     assert conn.execute(
-        "SELECT dispensary_id, resync_date FROM worker_tasks WHERE role = 'product_resync' ORDER BY 1"
+        "SELECT dispensary_id, resync_date FROM v_tasks WHERE role = 'product_resync' ORDER BY 1"
     ).fetchall() == [(stores[2], None), (stores[3], None)]
 
     conn.execute("UPDATE worker_tasks SET status = 'completed', completed_at = now()")
@@ -732,7 +732,7 @@ def test_demo_crawl_opens_with_the_platforms_in_turn(db_url: str, conn: psycopg.
             (platform, platform, platform),
         )
     assert op_metadata(run_job(demo_crawl_job, db_url), "enqueue_demo_crawl")["created"] == 6
-    order = [r[0] for r in conn.execute("SELECT platform FROM worker_tasks ORDER BY due_at").fetchall()]
+    order = [r[0] for r in conn.execute("SELECT platform FROM v_tasks ORDER BY due_at").fetchall()]
     assert order == ["dutchie", "jane"] * 3
 
 
@@ -754,7 +754,7 @@ def test_periodic_schedules_run_their_enqueuers(
             [request] = schedule.evaluate_tick(ctx).run_requests
         result = run_job(job, db_url, platforms_file=path, run_config=request.run_config)
         assert result.success, failure_text(result)
-    assert conn.execute("SELECT role, platform, payload FROM worker_tasks ORDER BY role").fetchall() == [
+    assert conn.execute("SELECT role, platform, payload FROM v_tasks ORDER BY role").fetchall() == [
         ("analytics_refresh", None, {}),
         ("store_discovery", "jane", {"platform": "jane", "region": "east"}),
     ]
@@ -802,7 +802,7 @@ def test_definitions_include_the_demo_schedule_only_with_tq_demo_1(value: str | 
 
 def resync_tasks(conn: psycopg.Connection, day: str) -> list[tuple[int, str]]:
     return conn.execute(
-        "SELECT dispensary_id, platform FROM worker_tasks WHERE role = 'product_resync' "
+        "SELECT dispensary_id, platform FROM v_tasks WHERE role = 'product_resync' "
         "AND resync_date = %s ORDER BY dispensary_id",
         (day,),
     ).fetchall()

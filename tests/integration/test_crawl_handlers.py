@@ -174,7 +174,7 @@ def rows(conn: psycopg.Connection, sql: str, params: Any = None) -> list[dict[st
 def task_rows(conn: psycopg.Connection, role: str) -> list[dict[str, Any]]:
     return rows(
         conn,
-        "SELECT *, scheduled_for - updated_at AS delay FROM worker_tasks WHERE role = %s ORDER BY id",
+        "SELECT *, scheduled_for - updated_at AS delay FROM v_tasks WHERE role = %s ORDER BY id",
         (role,),
     )
 
@@ -215,9 +215,9 @@ def stored_products(conn: psycopg.Connection, dispensary_id: int) -> dict[str, t
 def assert_settled(conn: psycopg.Connection) -> None:
     """Queue bookkeeping agrees with the tasks, and no store is left holding an active task."""
     assert_store_state_consistent(conn)
-    assert conn.execute(
-        "SELECT count(*) FROM worker_tasks WHERE status IN ('claimed', 'running')"
-    ).fetchone() == (0,)
+    assert conn.execute("SELECT count(*) FROM v_tasks WHERE status IN ('claimed', 'running')").fetchone() == (
+        0,
+    )
     assert conn.execute(
         "SELECT count(*) FROM worker_task_stores WHERE active_task_id IS NOT NULL"
     ).fetchone() == (0,)
@@ -327,7 +327,7 @@ def test_full_chain_lists_resolves_and_stores_menus(conn: psycopg.Connection, qu
     def pending_discovery() -> dict[int, int]:
         return dict(
             conn.execute(
-                "SELECT dispensary_id, count(*) FROM worker_tasks"
+                "SELECT dispensary_id, count(*) FROM v_tasks"
                 " WHERE role = 'product_discovery' AND status = 'pending' GROUP BY dispensary_id"
             ).fetchall()
         )
@@ -565,7 +565,7 @@ def crawl_one(
     (task_id,) = enqueue_all(queue, "product_discovery", {dispensary_id: None}, platform.profile.name, **kw)
     stats = drain(queue, "product_discovery", services, concurrency=1)
     (task,) = rows(
-        conn, "SELECT *, scheduled_for - updated_at AS delay FROM worker_tasks WHERE id = %s", (task_id,)
+        conn, "SELECT *, scheduled_for - updated_at AS delay FROM v_tasks WHERE id = %s", (task_id,)
     )
     return stats, task, dispensary_id
 
@@ -746,7 +746,7 @@ def test_store_gone_before_resolution_is_resolved_when_listed_again(
         "SELECT crawl_enabled, platform_dispensary_id FROM dispensaries WHERE id = %s", (victim,)
     ).fetchone() == (True, None)
     pending = conn.execute(
-        "SELECT count(*) FROM worker_tasks WHERE dispensary_id = %s AND status = 'pending'"
+        "SELECT count(*) FROM v_tasks WHERE dispensary_id = %s AND status = 'pending'"
         " AND role IN ('entry_point_discovery', 'product_discovery')",
         (victim,),
     ).fetchone()[0]
@@ -967,9 +967,9 @@ def test_menu_urls_stay_on_the_platforms_hosts(
             "SELECT count(*) FROM dispensaries d JOIN store_crawl_state c ON c.dispensary_id = d.id"
             " WHERE d.platform_dispensary_id IS NULL AND c.menu_url IS NULL AND c.resolved_at IS NULL"
         ).fetchone() == (3,)
-        assert conn.execute(
-            "SELECT count(*) FROM worker_tasks WHERE role = 'product_discovery'"
-        ).fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM v_tasks WHERE role = 'product_discovery'").fetchone() == (
+            0,
+        )
         assert elsewhere.stats.requests == 0
 
         # Such a URL stored by hand (as before the hosts were checked): the client refuses it.
@@ -1085,7 +1085,7 @@ def test_slow_host_does_not_stall_the_others(
             while not done.is_set():
                 observed.extend(
                     other.execute(
-                        "SELECT id, retry_count FROM worker_tasks WHERE platform = 'sluggish'"
+                        "SELECT id, retry_count FROM v_tasks WHERE platform = 'sluggish'"
                         " AND status = 'pending' AND scheduled_for > now() AND error_message IS NULL"
                     ).fetchall()
                 )

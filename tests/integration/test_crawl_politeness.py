@@ -137,7 +137,7 @@ def tasks_by_store(conn: psycopg.Connection) -> dict[int, tuple[str, int, bool, 
     rows = conn.execute(
         "SELECT dispensary_id, status, retry_count, scheduled_for IS NOT NULL, "
         "       coalesce(scheduled_for > now(), false) "
-        "FROM worker_tasks WHERE role = %s",
+        "FROM v_tasks WHERE role = %s",
         (ROLE,),
     ).fetchall()
     return {r[0]: (r[1], r[2], r[3], r[4]) for r in rows}
@@ -151,9 +151,9 @@ def assert_no_slots_held(conn: psycopg.Connection) -> None:
         ).fetchall()
         == []
     )
-    assert conn.execute(
-        "SELECT count(*) FROM worker_tasks WHERE status IN ('claimed', 'running')"
-    ).fetchone() == (0,)
+    assert conn.execute("SELECT count(*) FROM v_tasks WHERE status IN ('claimed', 'running')").fetchone() == (
+        0,
+    )
 
 
 # -- 1. several drain runs at once ---------------------------------------------------------------
@@ -207,7 +207,7 @@ def test_drain_runs_at_once_keep_each_platforms_limits_at_the_server(
     # The runs shared the work: every run took tasks, and several took tasks of each platform.
     assert all(m["claimed"] >= 1 for m in metas), metas
     workers = conn.execute(
-        "SELECT platform, count(DISTINCT worker_id) FROM worker_tasks GROUP BY platform ORDER BY platform"
+        "SELECT platform, count(DISTINCT worker_id) FROM v_tasks GROUP BY platform ORDER BY platform"
     ).fetchall()
     assert all(n >= 2 for _, n in workers), workers
 
@@ -423,7 +423,7 @@ def test_redirect_hops_are_requests_under_the_platforms_rate(
     # (send_at is cleared when a task gives its slot back; its claim is no later than its start.)
     [(first_start, tat)] = conn.execute(
         "SELECT extract(EPOCH FROM min(t.claimed_at))::float8, extract(EPOCH FROM max(l.tat))::float8 "
-        "FROM worker_tasks t JOIN tq_platforms l ON l.platform = t.platform WHERE t.platform = 'dutchie'"
+        "FROM v_tasks t JOIN tq_platforms l ON l.platform = t.platform WHERE t.platform = 'dutchie'"
     ).fetchall()
     assert arrivals[0] >= first_start - EPSILON, (arrivals[0], first_start)
     assert arrivals[-1] - first_start >= (2 * stores - 1) / rate - EPSILON, arrivals[-1] - first_start
@@ -494,7 +494,7 @@ def test_a_handler_meeting_a_paused_platform_defers_without_a_retry(
 
     [(status, retries, error, worker_id, delay)] = conn.execute(
         "SELECT status, retry_count, error_message, worker_id, "
-        "       extract(EPOCH FROM scheduled_for - now())::float8 FROM worker_tasks WHERE dispensary_id = %s",
+        "       extract(EPOCH FROM scheduled_for - now())::float8 FROM v_tasks WHERE dispensary_id = %s",
         (store,),
     ).fetchall()
     assert (status, retries, error, worker_id) == ("pending", 0, None, None)

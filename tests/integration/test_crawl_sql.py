@@ -56,9 +56,11 @@ def insert_task(
 
 
 def set_task_times(conn: psycopg.Connection, task_id: int, **times: timedelta) -> None:
-    """Move a task's timestamps back (``completed_at=timedelta(hours=3)``: three hours ago). The
-    updated_at trigger would overwrite updated_at, so it is off for the one statement."""
+    """Move a task's timestamps back (``completed_at=timedelta(hours=3)``: three hours ago), in
+    the queue or the history. The updated_at trigger would overwrite updated_at, so it is off for
+    the one statement."""
     sets = ", ".join(f"{c} = now() - %({c})s" for c in times)
+    conn.execute(f"UPDATE worker_task_history SET {sets} WHERE id = %(id)s", {"id": task_id, **times})
     conn.execute("ALTER TABLE worker_tasks DISABLE TRIGGER worker_tasks_updated_at")
     try:
         conn.execute(f"UPDATE worker_tasks SET {sets} WHERE id = %(id)s", {"id": task_id, **times})
@@ -77,7 +79,7 @@ def test_payload_defaults_to_an_empty_object_for_inserts_that_name_none(conn: ps
     (loose,) = conn.execute(
         "INSERT INTO worker_tasks (role) VALUES ('analytics_refresh') RETURNING id"
     ).fetchone()
-    got = conn.execute("SELECT id, payload FROM worker_tasks ORDER BY id").fetchall()
+    got = conn.execute("SELECT id, payload FROM v_tasks ORDER BY id").fetchall()
     assert got == [(task_id, {}), (loose, {})]
 
 
@@ -91,7 +93,7 @@ def test_payload_must_be_an_object(conn: psycopg.Connection):
         assert info.value.diag.constraint_name == "payload_is_object"
         with pytest.raises(psycopg.errors.CheckViolation):
             conn.execute("UPDATE worker_tasks SET payload = %s::jsonb WHERE id = %s", (bad, task_id))
-    assert conn.execute("SELECT payload FROM worker_tasks").fetchall() == [({},)]
+    assert conn.execute("SELECT payload FROM v_tasks").fetchall() == [({},)]
 
 
 def test_enqueue_payload_round_trips_to_the_claimed_task(conn: psycopg.Connection, queue: TaskQueue):
@@ -141,7 +143,7 @@ def test_enqueue_once_dedupes_pending_and_active_tasks_of_a_store(conn: psycopg.
         {"day": 1, "kind": "x"},
     )
     counted = conn.execute(
-        "SELECT count(*) FROM worker_tasks WHERE role = %s AND dispensary_id = %s AND payload = %s",
+        "SELECT count(*) FROM v_tasks WHERE role = %s AND dispensary_id = %s AND payload = %s",
         (ROLE, a, Jsonb({"day": 1, "kind": "x"})),
     ).fetchone()
     assert counted == (2,)  # the completed one and the new one
@@ -206,7 +208,7 @@ def test_enqueue_once_holds_between_concurrent_callers(db_url: str, conn: psycop
         a.commit()
     thread.join(15)
     assert not thread.is_alive() and "error" not in result, result
-    pending = conn.execute("SELECT count(*) FROM worker_tasks WHERE role = %s", (LOOSE,)).fetchone()
+    pending = conn.execute("SELECT count(*) FROM v_tasks WHERE role = %s", (LOOSE,)).fetchone()
     assert pending == (1,)
     assert result["row"] == (None,)
 
@@ -289,7 +291,7 @@ def test_upsert_listed_stores_creates_new_stores_with_state_and_one_entry_point_
         for i, d, r in zip(ids, ["s001", "s002", "s003", "s004"], ["north", "north", None, None], strict=True)
     ]
     tasks = conn.execute(
-        "SELECT role, dispensary_id, platform, status, payload FROM worker_tasks WHERE id <> %s ORDER BY id",
+        "SELECT role, dispensary_id, platform, status, payload FROM v_tasks WHERE id <> %s ORDER BY id",
         (lease.task_id,),
     ).fetchall()
     assert sorted(tasks, key=lambda t: t[1]) == [
@@ -307,16 +309,14 @@ def test_upsert_listed_stores_again_creates_nothing_and_marks_the_stores_listed(
     first = upsert(conn, lease, listing([1, 2, 3]))
     before = {i: crawl_state(conn, i) for i, _, _ in first}
     counts = conn.execute(
-        "SELECT (SELECT count(*) FROM dispensaries), (SELECT count(*) FROM worker_tasks)"
+        "SELECT (SELECT count(*) FROM dispensaries), (SELECT count(*) FROM v_tasks)"
     ).fetchone()
     # s002 listed without a region keeps its region; s003 moves to another one.
     again_listing = [*listing([1]), {"id": "s002", "name": "Store 2"}, *listing([3], region="south")]
     again = upsert(conn, lease, again_listing)
     assert [(i, d, c) for i, d, c in again] == [(i, d, False) for i, d, _ in first]
     assert (
-        conn.execute(
-            "SELECT (SELECT count(*) FROM dispensaries), (SELECT count(*) FROM worker_tasks)"
-        ).fetchone()
+        conn.execute("SELECT (SELECT count(*) FROM dispensaries), (SELECT count(*) FROM v_tasks)").fetchone()
         == counts
     )
     for i, d, _ in first:
@@ -339,7 +339,7 @@ def test_upsert_listed_stores_collapses_duplicates_and_keeps_platforms_apart(
         ("jane", 1),
     ]
     # One entry point per store, besides the two listings' own tasks.
-    assert conn.execute("SELECT role, count(*) FROM worker_tasks GROUP BY 1 ORDER BY 1").fetchall() == [
+    assert conn.execute("SELECT role, count(*) FROM v_tasks GROUP BY 1 ORDER BY 1").fetchall() == [
         ("entry_point_discovery", 3),
         ("store_discovery", 2),
     ]
@@ -432,7 +432,7 @@ def test_concurrent_listings_of_one_platform_create_each_store_once(
         """
         SELECT count(*), count(DISTINCT directory_id),
                (SELECT count(*) FROM dispensaries WHERE menu_type = 'dutchie'),
-               (SELECT count(*) FROM worker_tasks WHERE role = 'entry_point_discovery')
+               (SELECT count(*) FROM v_tasks WHERE role = 'entry_point_discovery')
         FROM store_crawl_state WHERE platform = 'dutchie'
         """
     ).fetchone() == (90, 90, 90, 90)
@@ -464,8 +464,8 @@ def test_concurrent_listings_from_threads_started_together(
     assert conn.execute(
         """
         SELECT count(*), count(DISTINCT directory_id),
-               (SELECT count(*) FROM worker_tasks WHERE role = 'entry_point_discovery'),
-               (SELECT count(*) FROM worker_tasks WHERE role <> 'entry_point_discovery')
+               (SELECT count(*) FROM v_tasks WHERE role = 'entry_point_discovery'),
+               (SELECT count(*) FROM v_tasks WHERE role <> 'entry_point_discovery')
         FROM store_crawl_state
         """
     ).fetchone() == (100, 100, 100, 4)  # and the four listings' own tasks
@@ -836,9 +836,7 @@ def test_an_absurd_retry_after_is_capped_at_a_day(
         assert queue.fail(task, "HTTP 429", retry_after=seconds) == "pending"
     else:
         assert queue.defer(task, seconds)
-    due_in = conn.execute(
-        "SELECT scheduled_for - now() FROM worker_tasks WHERE id = %s", (task.id,)
-    ).fetchone()[0]
+    due_in = conn.execute("SELECT scheduled_for - now() FROM v_tasks WHERE id = %s", (task.id,)).fetchone()[0]
     assert due_in <= timedelta(days=1)
 
 
@@ -1001,12 +999,11 @@ def test_listing_again_retries_the_entry_point_of_a_store_still_unresolved(
     )
     upsert(conn, lease, listing([1]))
     assert conn.execute(
-        "SELECT status FROM worker_tasks"
-        " WHERE dispensary_id = %s AND role = 'entry_point_discovery' ORDER BY id",
+        "SELECT status FROM v_tasks WHERE dispensary_id = %s AND role = 'entry_point_discovery' ORDER BY id",
         (store,),
     ).fetchall() == [("failed",), ("pending",)]
     upsert(conn, lease, listing([1]))  # one is pending already: not a second
-    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE status = 'pending'").fetchone() == (1,)
+    assert conn.execute("SELECT count(*) FROM v_tasks WHERE status = 'pending'").fetchone() == (1,)
     # Resolved, or disabled by hand: nothing more is queued. (Every task finished, the listing's
     # too: each listing after this one is a new task's.)
     conn.execute("UPDATE worker_tasks SET status = 'completed', completed_at = now()")
@@ -1014,7 +1011,7 @@ def test_listing_again_retries_the_entry_point_of_a_store_still_unresolved(
     upsert(conn, listing_task(queue, "dutchie"), listing([1]))
     conn.execute("UPDATE dispensaries SET crawl_enabled = true, platform_dispensary_id = 'p1'")
     upsert(conn, listing_task(queue, "dutchie"), listing([1]))
-    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE status = 'pending'").fetchone() == (0,)
+    assert conn.execute("SELECT count(*) FROM v_tasks WHERE status = 'pending'").fetchone() == (0,)
 
 
 @pytest.mark.parametrize("ident", [None, ""])
@@ -1068,9 +1065,7 @@ def test_a_heartbeat_does_not_wait_for_a_handler_writing_its_task(
         handler.rollback()
     assert owned == sorted(ids)
     fresh = dict(
-        conn.execute(
-            "SELECT id, last_heartbeat_at > now() - interval '1 minute' FROM worker_tasks"
-        ).fetchall()
+        conn.execute("SELECT id, last_heartbeat_at > now() - interval '1 minute' FROM v_tasks").fetchall()
     )
     assert fresh == {ids[0]: True, ids[1]: False, ids[2]: True}
 
@@ -1117,7 +1112,7 @@ def crawl_tables(conn: psycopg.Connection) -> tuple:
                (SELECT jsonb_agg(to_jsonb(c) ORDER BY c.dispensary_id) FROM store_crawl_state c),
                (SELECT jsonb_agg(to_jsonb(p) ORDER BY p.id) FROM products p),
                (SELECT count(*) FROM product_history),
-               (SELECT count(*) FROM worker_tasks)
+               (SELECT count(*) FROM v_tasks)
         """
     ).fetchone()
 

@@ -162,7 +162,7 @@ def _kill_strays(home: Path) -> None:
 
 def _held_by(conn: psycopg.Connection, worker_id: str) -> int:
     row = conn.execute(
-        "SELECT count(*) FROM worker_tasks WHERE worker_id = %s AND status IN ('claimed', 'running')",
+        "SELECT count(*) FROM v_tasks WHERE worker_id = %s AND status IN ('claimed', 'running')",
         (worker_id,),
     ).fetchone()
     return int(row[0]) if row else 0
@@ -176,7 +176,7 @@ KILLS = 12
 def test_drain_runs_killed_one_after_another_leak_nothing(daemon: Daemon, conn: psycopg.Connection):
     add_tasks(conn, "product_resync", add_stores(conn, 400), 1)
     # Only these: the resync's catch-up may add today's, due later in the day.
-    ours = [r[0] for r in conn.execute("SELECT id FROM worker_tasks").fetchall()]
+    ours = [r[0] for r in conn.execute("SELECT id FROM v_tasks").fetchall()]
     killed: dict[str, str] = {}  # run id -> its worker
     freed_after: list[float] = []
     began = time.monotonic()
@@ -228,8 +228,7 @@ def test_drain_runs_killed_one_after_another_leak_nothing(daemon: Daemon, conn: 
     wait_for(
         lambda: (
             conn.execute(
-                "SELECT count(*) FROM worker_tasks"
-                " WHERE status NOT IN ('completed', 'failed') AND id = ANY(%s)",
+                "SELECT count(*) FROM v_tasks WHERE status NOT IN ('completed', 'failed') AND id = ANY(%s)",
                 (ours,),
             ).fetchone()
             == (0,)
@@ -238,7 +237,7 @@ def test_drain_runs_killed_one_after_another_leak_nothing(daemon: Daemon, conn: 
         "the queue to drain after the kills",
         lambda: (
             conn.execute(
-                "SELECT status, count(*) FROM worker_tasks WHERE id = ANY(%s) GROUP BY status", (ours,)
+                "SELECT status, count(*) FROM v_tasks WHERE id = ANY(%s) GROUP BY status", (ours,)
             ).fetchall(),
             [
                 (r.run_id[:8], r.status.value)
@@ -251,14 +250,13 @@ def test_drain_runs_killed_one_after_another_leak_nothing(daemon: Daemon, conn: 
     print(f"{KILLS} kills in {kills_took:.0f} s; freed after {sorted(round(f, 1) for f in freed_after)}")
     ends = dict(
         conn.execute(
-            "SELECT status, count(*) FROM worker_tasks WHERE id = ANY(%s) GROUP BY status", (ours,)
+            "SELECT status, count(*) FROM v_tasks WHERE id = ANY(%s) GROUP BY status", (ours,)
         ).fetchall()
     )
     assert ends.get("completed", 0) + ends.get("failed", 0) == 400
     assert ends.get("completed", 0) > 0
     assert conn.execute(
-        "SELECT count(*) FROM worker_tasks"
-        " WHERE status = 'failed' AND retry_count < max_retries AND id = ANY(%s)",
+        "SELECT count(*) FROM v_tasks WHERE status = 'failed' AND retry_count < max_retries AND id = ANY(%s)",
         (ours,),
     ).fetchone() == (0,)
 

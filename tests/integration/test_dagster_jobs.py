@@ -64,7 +64,7 @@ def drain(database_url: str, role: str = ROLE, **config: Any) -> dg.ExecuteInPro
 
 
 def task_count(conn: psycopg.Connection) -> int:
-    return conn.execute("SELECT count(*) FROM worker_tasks").fetchone()[0]
+    return conn.execute("SELECT count(*) FROM v_tasks").fetchone()[0]
 
 
 @pytest.fixture
@@ -134,7 +134,7 @@ def test_resync_creates_one_task_per_enabled_store_then_nothing(db_url: str, con
         "SELECT dispensary_id, status, resync_date::text, "
         "       extract(hour FROM scheduled_for AT TIME ZONE 'UTC')::int, "
         "       (scheduled_for AT TIME ZONE 'UTC')::date::text "
-        "FROM worker_tasks WHERE role = 'product_resync' ORDER BY dispensary_id"
+        "FROM v_tasks WHERE role = 'product_resync' ORDER BY dispensary_id"
     ).fetchall()
     assert [r[0] for r in rows] == stores
     assert {r[1] for r in rows} == {"pending"}
@@ -157,8 +157,7 @@ def test_resync_platforms_and_batches_come_from_run_config(db_url: str, conn: ps
     assert op_metadata(result, "generate_resync_tasks")["created"] == 3
     assert conn.execute(
         # One batch, opening at midnight UTC (its tasks a millisecond apart).
-        "SELECT DISTINCT platform, date_trunc('second', scheduled_for) = '2026-06-02 00:00+00'"
-        " FROM worker_tasks"
+        "SELECT DISTINCT platform, date_trunc('second', scheduled_for) = '2026-06-02 00:00+00' FROM v_tasks"
     ).fetchall() == [("jane", True)]
 
 
@@ -285,7 +284,7 @@ def test_drain_completes_every_ready_task(
     worker_id = f"{ROLE}@run:{result.run_id}"
     assert meta["worker_id"] == worker_id
     assert conn.execute(
-        "SELECT role, status, worker_id, result->>'handler', count(*) FROM worker_tasks "
+        "SELECT role, status, worker_id, result->>'handler', count(*) FROM v_tasks "
         "GROUP BY 1, 2, 3, 4 ORDER BY 1"
     ).fetchall() == [
         ("product_discovery", "pending", None, None, 3),
@@ -320,8 +319,8 @@ def test_handler_exceptions_fail_tasks_not_the_run(
 ):
     plug_in({ROLE: "{module}:fail_odd"}, FAIL_ODD)
     add_tasks(conn, ROLE, add_stores(conn, 10), 2)
-    odd = [r[0] for r in conn.execute("SELECT id FROM worker_tasks WHERE id % 2 = 1 ORDER BY id")]
-    even = [r[0] for r in conn.execute("SELECT id FROM worker_tasks WHERE id % 2 = 0 ORDER BY id")]
+    odd = [r[0] for r in conn.execute("SELECT id FROM v_tasks WHERE id % 2 = 1 ORDER BY id")]
+    even = [r[0] for r in conn.execute("SELECT id FROM v_tasks WHERE id % 2 = 0 ORDER BY id")]
     assert len(odd) == len(even) == 10
 
     first = drain(db_url)
@@ -330,7 +329,7 @@ def test_handler_exceptions_fail_tasks_not_the_run(
     assert (meta["completed"], meta["retried"], meta["failed"]) == (10, 10, 0)
     rows = conn.execute(
         "SELECT id, status, retry_count, error_message, scheduled_for > now(), result->>'handler' "
-        "FROM worker_tasks ORDER BY id"
+        "FROM v_tasks ORDER BY id"
     ).fetchall()
     for task_id, status, retries, error, later, handler in rows:
         if task_id in odd:
@@ -350,7 +349,7 @@ def test_handler_exceptions_fail_tasks_not_the_run(
     assert (meta["completed"], meta["retried"], meta["failed"]) == (0, 0, 10)
     assert (
         conn.execute(
-            "SELECT array_agg(id ORDER BY id) FROM worker_tasks WHERE status = 'failed' AND retry_count = 1 "
+            "SELECT array_agg(id ORDER BY id) FROM v_tasks WHERE status = 'failed' AND retry_count = 1 "
             "AND completed_at IS NOT NULL"
         ).fetchone()[0]
         == odd
@@ -471,15 +470,15 @@ def insert_history(conn: psycopg.Connection) -> None:
 
 
 def expected_hour(conn: psycopg.Connection) -> dict[str, tuple[int, int, int]]:
-    """role -> (created, completed, failed) in the hour, counted straight from worker_tasks."""
+    """role -> (created, completed, failed) in the hour, counted straight from v_tasks."""
     rows = conn.execute(
         """
         SELECT r.role,
-               (SELECT count(*) FROM worker_tasks t
+               (SELECT count(*) FROM v_tasks t
                  WHERE t.role = r.role AND t.created_at >= %(start)s AND t.created_at < %(end)s),
-               (SELECT count(*) FROM worker_tasks t WHERE t.role = r.role AND t.status = 'completed'
+               (SELECT count(*) FROM v_tasks t WHERE t.role = r.role AND t.status = 'completed'
                    AND t.completed_at >= %(start)s AND t.completed_at < %(end)s),
-               (SELECT count(*) FROM worker_tasks t WHERE t.role = r.role AND t.status = 'failed'
+               (SELECT count(*) FROM v_tasks t WHERE t.role = r.role AND t.status = 'failed'
                    AND t.completed_at >= %(start)s AND t.completed_at < %(end)s)
         FROM worker_task_roles r
         """,

@@ -74,10 +74,10 @@ def test_a_drain_survives_its_database_going_away_and_coming_back(own_server):  
         with TaskQueue.connect(url) as again:
             again.expire_leases(min_seconds=1)
             stats = Worker(again, ROLE, handler, worker_id="after").run()
-        counts = dict(conn.execute("SELECT status, count(*) FROM worker_tasks GROUP BY status").fetchall())
+        counts = dict(conn.execute("SELECT status, count(*) FROM v_tasks GROUP BY status").fetchall())
         assert counts == {"completed": 40}, counts
         assert (
             stats.completed
-            + conn.execute("SELECT count(*) FROM worker_tasks WHERE worker_id = 'before'").fetchone()[0]
+            + conn.execute("SELECT count(*) FROM v_tasks WHERE worker_id = 'before'").fetchone()[0]
             == 40
         )  # type: ignore[index]

@@ -135,7 +135,7 @@ def holders(conn: psycopg.Connection, workers: list[str]) -> dict[str, int]:
     """Tasks held now (claimed or running) by each of ``workers`` that holds any."""
     rows = conn.execute(
         """
-        SELECT worker_id, count(*)::int FROM worker_tasks
+        SELECT worker_id, count(*)::int FROM v_tasks
         WHERE worker_id = ANY(%s) AND status IN ('claimed', 'running')
         GROUP BY worker_id
         """,
@@ -222,13 +222,13 @@ def drain_with_kills(conn: psycopg.Connection, queue: TaskQueue, fleet: Fleet) -
         conn.execute(
             """
             SELECT t.id, count(e.task_id)::int
-            FROM worker_tasks t LEFT JOIN effects e ON e.task_id = t.id
+            FROM v_tasks t LEFT JOIN effects e ON e.task_id = t.id
             GROUP BY t.id
             """
         ).fetchall()
     )
     orphans = conn.execute(
-        "SELECT count(*) FROM effects WHERE task_id NOT IN (SELECT id FROM worker_tasks)"
+        "SELECT count(*) FROM effects WHERE task_id NOT IN (SELECT id FROM v_tasks)"
     ).fetchone()[0]
     assert orphans == 0
     stats = {w: fleet.stats(w) for w in fleet.procs if w not in fleet.killed}
@@ -240,15 +240,15 @@ def assert_nothing_lost(conn: psycopg.Connection, run: Run) -> None:
     met a handler error or a lost lease."""
     assert len(run.effects) == TASKS
     unfinished = conn.execute(
-        "SELECT id, status, worker_id, retry_count FROM worker_tasks WHERE status <> 'completed'"
+        "SELECT id, status, worker_id, retry_count FROM v_tasks WHERE status <> 'completed'"
     ).fetchall()
     assert unfinished == [], f"killed: {run.killed}"
-    results = conn.execute("SELECT DISTINCT result FROM worker_tasks").fetchall()
+    results = conn.execute("SELECT DISTINCT result FROM v_tasks").fetchall()
     assert results == [({"ok": True},)]
     assert run.held_by_dead > 0, "the kills should have caught workers holding tasks"
     assert run.recovered == run.held_by_dead
     # A task runs again only after a recovery gave it back: never more effects than attempts.
-    attempts = dict(conn.execute("SELECT id, retry_count + 1 FROM worker_tasks").fetchall())
+    attempts = dict(conn.execute("SELECT id, retry_count + 1 FROM v_tasks").fetchall())
     over = {t: (n, attempts[t]) for t, n in run.effects.items() if n > attempts[t]}
     assert over == {}, f"tasks with more effects than attempts (effects, attempts): {over}"
     for worker, s in run.stats.items():
@@ -256,7 +256,7 @@ def assert_nothing_lost(conn: psycopg.Connection, run: Run) -> None:
     # The workers that ran to their end counted each task the killed ones had not completed,
     # once: no task was completed twice.
     dead_completed = conn.execute(
-        "SELECT count(*) FROM worker_tasks WHERE worker_id = ANY(%s)", (run.killed,)
+        "SELECT count(*) FROM v_tasks WHERE worker_id = ANY(%s)", (run.killed,)
     ).fetchone()[0]
     assert sum(s["completed"] for s in run.stats.values()) + dead_completed == TASKS
     assert_store_state_consistent(conn)

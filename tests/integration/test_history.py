@@ -1,5 +1,6 @@
-"""Finished tasks leave the hot table (migration 0022): archive_tasks moves them from
-worker_tasks to worker_task_history; v_tasks reads both; a resync day is still made once per store.
+"""Finished tasks leave the hot table (migrations 0022, 0023): a completion moves its task from
+worker_tasks to worker_task_history, archive_tasks moves failed and cancelled ones; v_tasks reads
+both; a resync day is still made once per store.
 """
 
 # ruff: noqa: F811 (the worker fixture, imported, is a test's argument)
@@ -48,6 +49,8 @@ def test_finished_tasks_move_oldest_first_and_every_task_stays_readable(
     assert queue.fail(failed, "boom", retryable=False) == "failed"
     assert queue.cancel(cancelled.id)
     finished = [t.id for t in done] + [failed.id, cancelled.id]
+    # The completions moved their tasks at once; the failed and cancelled ones wait.
+    assert where(conn)["history"] == {t.id for t in done}
 
     # Young: nothing moves.
     assert queue.archive_finished(60) == 0
@@ -55,11 +58,11 @@ def test_finished_tasks_move_oldest_first_and_every_task_stays_readable(
     conn.execute(
         "UPDATE worker_tasks SET completed_at = completed_at - INTERVAL '1 hour' WHERE id = %s", (failed.id,)
     )
-    before = conn.execute(ROW.format("worker_tasks"), (finished,)).fetchall()
+    before = conn.execute(ROW.format("v_tasks"), (finished,)).fetchall()
     # Oldest first, a batch at a time.
     assert queue.archive_finished(60, limit=1) == 1
-    assert where(conn)["history"] == {failed.id}
-    assert queue.archive_finished(60, limit=100) == 4
+    assert where(conn)["history"] == {t.id for t in done} | {failed.id}
+    assert queue.archive_finished(60, limit=100) == 1
     assert queue.archive_finished(60, limit=100) == 0
 
     place = where(conn)
@@ -162,7 +165,9 @@ def test_a_resync_day_is_made_once_though_its_tasks_were_archived(db_url: str, c
         assert q.generate_resync(day=today, batches_per_day=1) == 30  # all due at 00:00 UTC
         for task in q.claim_many(ROLE, "w", 20, start=True):
             q.complete(task)
-        assert q.archive_finished(0) == 20
+        # Completed, so moved: the history holds them, the keys stay.
+        assert q.archive_finished(0) == 0
+        assert conn.execute("SELECT count(*) FROM worker_task_history").fetchone() == (20,)
         assert q.generate_resync(day=today) == 0
 
     # Now the next day, from four connections at once, with an archiver busy.
@@ -211,15 +216,21 @@ def test_the_prune_takes_the_history_and_the_keys_and_the_day_can_be_made_again(
     add_stores(conn, 5)
     day = datetime.now(UTC).date() - timedelta(days=60)
     assert queue.generate_resync(day=day) == 5
-    for task in queue.claim_many(ROLE, "w", 5, start=True):
-        queue.complete(task)
-    # Made and finished 60 days ago; two archived, three left in the queue (no sensor ran).
-    conn.execute(
-        "UPDATE worker_tasks SET created_at = now() - INTERVAL '60 days',"
-        " claimed_at = now() - INTERVAL '60 days', started_at = now() - INTERVAL '60 days',"
-        " completed_at = now() - INTERVAL '60 days' + INTERVAL '1 minute'"
-    )
-    assert queue.archive_finished(0, limit=2) == 2
+    for i, task in enumerate(queue.claim_many(ROLE, "w", 5, start=True)):
+        if i < 3:
+            assert queue.complete(task)
+        else:
+            assert queue.fail(task, "gone", retryable=False) == "failed"
+    # Made and finished 60 days ago: three completed (moved), one failed archived, one failed
+    # left in the queue (no sensor ran).
+    for table in ("worker_tasks", "worker_task_history"):
+        conn.execute(
+            f"UPDATE {table} SET created_at = now() - INTERVAL '60 days',"
+            " claimed_at = now() - INTERVAL '60 days', started_at = now() - INTERVAL '60 days',"
+            " completed_at = now() - INTERVAL '60 days' + INTERVAL '1 minute'"
+        )
+    assert queue.archive_finished(0, limit=1) == 1
+    assert conn.execute("SELECT count(*) FROM worker_tasks").fetchone() == (1,)
     before = conn.execute(
         "SELECT (date_trunc('hour', now() AT TIME ZONE 'UTC') - INTERVAL '30 days') AT TIME ZONE 'UTC'"
     ).fetchone()[0]  # type: ignore[index]
@@ -228,7 +239,7 @@ def test_the_prune_takes_the_history_and_the_keys_and_the_day_can_be_made_again(
     assert conn.execute("SELECT count(*) FROM v_tasks").fetchone() == (0,)
     assert conn.execute("SELECT count(*) FROM worker_task_resyncs").fetchone() == (0,)
     # The rollup of their hours was kept; and a backfill of the day makes it again, as before.
-    assert conn.execute("SELECT sum(tasks_completed) FROM task_completion_log").fetchone() == (5,)
+    assert conn.execute("SELECT sum(tasks_completed) FROM task_completion_log").fetchone() == (3,)
     assert queue.generate_resync(day=day) == 5
 
 
@@ -240,9 +251,10 @@ def test_the_worker_role_reads_every_task_and_writes_neither_table(
     what has finished."""
     add_stores(conn, 3)
     today = datetime.now(UTC).date()
-    assert queue.generate_resync(day=today) == 3
-    first, *_ = queue.claim_many(ROLE, "w", 1, start=True)
+    assert queue.generate_resync(day=today, batches_per_day=1) == 3  # all due at 00:00 UTC
+    first, second = queue.claim_many(ROLE, "w", 2, start=True)
     assert queue.complete(first)
+    assert queue.fail(second, "gone", retryable=False) == "failed"
     tables = ("worker_tasks", "worker_task_history", "worker_task_resyncs")
     before = {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone() for t in tables}
     with worker.connect() as w:
@@ -257,14 +269,16 @@ def test_the_worker_role_reads_every_task_and_writes_neither_table(
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 w.execute(statement)
         assert w.execute("SELECT count(*) FROM v_tasks").fetchone() == (3,)
-        # The archive, asked to move everything, moves the one finished task and nothing else.
+        # The archive, asked to move everything, moves the one failed task and nothing else.
         assert w.execute("SELECT archive_tasks(now() + INTERVAL '1 year', 100000)").fetchone() == (1,)
         # And the day cannot be made twice through it.
         assert w.execute("SELECT generate_resync_tasks(6, %s, '{dutchie}')", (today,)).fetchone() == (0,)
     after = {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone() for t in tables}
     assert after == {
         "worker_tasks": (before["worker_tasks"][0] - 1,),  # type: ignore[index]
-        "worker_task_history": (1,),
+        "worker_task_history": (2,),
         "worker_task_resyncs": (3,),
     }
-    assert conn.execute("SELECT id, status FROM worker_task_history").fetchall() == [(first.id, "completed")]
+    assert conn.execute("SELECT id, status FROM worker_task_history ORDER BY id").fetchall() == sorted(
+        [(first.id, "completed"), (second.id, "failed")]
+    )

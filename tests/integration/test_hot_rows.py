@@ -129,7 +129,7 @@ def test_counts_are_exact_under_concurrent_completions_and_folds(
         r[0]: (r[1], r[2])
         for r in conn.execute(
             "SELECT worker_id, count(*) FILTER (WHERE status = 'completed'), "
-            "count(*) FILTER (WHERE status = 'failed') FROM worker_tasks GROUP BY worker_id"
+            "count(*) FILTER (WHERE status = 'failed') FROM v_tasks GROUP BY worker_id"
         )
     }
     seen = {
@@ -256,7 +256,7 @@ def test_a_sweep_finds_a_head_below_its_floor(conn: psycopg.Connection, queue: T
     # What no path of the queue does: the floor moved past a live head.
     conn.execute(
         "UPDATE worker_task_floors SET raised_at = now(), swept_at = now(), "
-        "floor = (SELECT due_at FROM worker_tasks WHERE dispensary_id = %s)",
+        "floor = (SELECT due_at FROM v_tasks WHERE dispensary_id = %s)",
         (a,),
     )
     assert [t.dispensary_id for t in queue.claim_many(ROLE, "w1", 5)] == [a]  # b is not seen
@@ -282,7 +282,7 @@ def test_no_raise_passes_a_head_its_writer_has_not_committed(db_url: str, conn: 
         assert queue.claim_many(ROLE, "w1", 5) == []  # the raise skips the floor being written
         assert floor_of(conn) == before
         slow.commit()
-        due = conn.execute("SELECT due_at FROM worker_tasks WHERE dispensary_id = %s", (store,)).fetchone()[0]
+        due = conn.execute("SELECT due_at FROM v_tasks WHERE dispensary_id = %s", (store,)).fetchone()[0]
         assert floor_of(conn) <= due
         assert [t.dispensary_id for t in queue.claim_many(ROLE, "w1", 5)] == [store]
 

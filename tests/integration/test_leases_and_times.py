@@ -43,7 +43,7 @@ def _wait_for(predicate, timeout: float = 20.0, step: float = 0.05) -> float:  #
 
 def _running(conn: psycopg.Connection, worker_id: str) -> int:
     row = conn.execute(
-        "SELECT count(*) FROM worker_tasks WHERE worker_id = %s AND status = 'running'", (worker_id,)
+        "SELECT count(*) FROM v_tasks WHERE worker_id = %s AND status = 'running'", (worker_id,)
     ).fetchone()
     return int(row[0]) if row else 0
 
@@ -71,7 +71,7 @@ def test_a_killed_workers_stores_come_back_within_a_few_heartbeats(
     _wait_for(back, timeout=20, step=0.2)
     unblocked = time.monotonic() - killed
     assert unblocked < 5, f"stores blocked {unblocked:.1f} s after the kill"
-    rows = conn.execute("SELECT status, retry_count, error_message FROM worker_tasks").fetchall()
+    rows = conn.execute("SELECT status, retry_count, error_message FROM v_tasks").fetchall()
     assert {(s, r) for s, r, _ in rows} == {("pending", 1)}
     assert all(e.startswith("lease expired: worker doomed silent for over") for _, _, e in rows)
     assert len(queue.claim_many(ROLE, "next", 10)) == 4  # every store claimable again
@@ -107,7 +107,7 @@ def test_a_live_worker_keeps_its_leases_through_long_handlers(conn: psycopg.Conn
     assert len(expired) >= 10 and sum(expired) == 0, expired
     assert (stats.completed, stats.lost, stats.retried) == (3, 0, 0)
     assert conn.execute(
-        "SELECT count(*) FROM worker_tasks"
+        "SELECT count(*) FROM v_tasks"
         " WHERE status = 'completed' AND retry_count = 0 AND error_message IS NULL"
     ).fetchone() == (3,)
 
@@ -128,7 +128,7 @@ def test_recorded_durations_are_the_handlers(
     Worker(queue, ROLE, handler, worker_id="timed", concurrency=concurrency, batch_size=tasks).run()
     rows = conn.execute(
         "SELECT extract(EPOCH FROM started_at)::float8, extract(EPOCH FROM completed_at - started_at)::float8"
-        " FROM worker_tasks ORDER BY started_at"
+        " FROM v_tasks ORDER BY started_at"
     ).fetchall()
     assert len(rows) == tasks
     for _, duration in rows:
@@ -151,7 +151,7 @@ def test_a_completed_task_carries_no_error_of_an_earlier_attempt(conn: psycopg.C
     [again] = queue.claim_many(ROLE, "w", 1)
     assert again.id == task_id and again.lease_token != task.lease_token
     assert queue.complete_many({again.lease: {"ok": True}}) == {task_id}
-    row = conn.execute("SELECT status, retry_count, error_message FROM worker_tasks").fetchone()
+    row = conn.execute("SELECT status, retry_count, error_message FROM v_tasks").fetchone()
     assert row == ("completed", 1, None)
 
 
@@ -177,7 +177,7 @@ def test_the_drain_estimate_is_the_time_the_rest_takes(
         batch_size=4,
         time_budget_seconds=0.01,
     ).run()
-    done_first = conn.execute("SELECT count(*) FROM worker_tasks WHERE status = 'completed'").fetchone()[0]  # type: ignore[index]
+    done_first = conn.execute("SELECT count(*) FROM v_tasks WHERE status = 'completed'").fetchone()[0]  # type: ignore[index]
     while done_first < 12:
         Worker(
             queue,
@@ -188,9 +188,7 @@ def test_the_drain_estimate_is_the_time_the_rest_takes(
             batch_size=4,
             time_budget_seconds=0.01,
         ).run()
-        done_first = conn.execute("SELECT count(*) FROM worker_tasks WHERE status = 'completed'").fetchone()[
-            0
-        ]  # type: ignore[index]
+        done_first = conn.execute("SELECT count(*) FROM v_tasks WHERE status = 'completed'").fetchone()[0]  # type: ignore[index]
     [held] = queue.claim_many(ROLE, "holder", 1)
     [cap] = [c for c in queue.capacity() if c.role == ROLE]
     assert cap.estimated_hours_to_drain is not None

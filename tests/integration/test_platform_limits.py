@@ -98,7 +98,7 @@ def in_flight(conn: psycopg.Connection, platform: str) -> tuple[int, int]:
     return conn.execute(
         """
         SELECT l.in_flight,
-               (SELECT count(*) FROM worker_tasks t
+               (SELECT count(*) FROM v_tasks t
                 WHERE t.platform = l.platform AND t.status IN ('claimed', 'running')
                   AND t.send_at IS NOT NULL)::int
         FROM tq_platforms l WHERE l.platform = %s
@@ -126,7 +126,7 @@ def _watch_platforms(
             samples[0] += 1
             for platform, n in conn.execute(
                 """
-                SELECT platform, count(*)::int FROM worker_tasks
+                SELECT platform, count(*)::int FROM v_tasks
                 WHERE status IN ('claimed', 'running') GROUP BY platform
                 """
             ).fetchall():
@@ -138,7 +138,7 @@ def _watch_platforms(
                     """
                     SELECT l.platform, l.in_flight, a.n
                     FROM tq_platforms l
-                    CROSS JOIN LATERAL (SELECT count(*)::int AS n FROM worker_tasks t
+                    CROSS JOIN LATERAL (SELECT count(*)::int AS n FROM v_tasks t
                                         WHERE t.platform = l.platform
                                           AND t.status IN ('claimed', 'running')
                                           AND t.send_at IS NOT NULL) a
@@ -217,9 +217,7 @@ def test_16_claimers_never_exceed_any_platforms_max_in_flight(db_url: str, conn:
     assert len(all_claimed) == total
     assert max(all_claimed.values()) == 1, "a task was claimed twice"
     assert status_counts(conn) == {"completed": total}
-    wrong_owner = conn.execute(
-        "SELECT count(*) FROM worker_tasks WHERE result->>'by' <> worker_id"
-    ).fetchone()
+    wrong_owner = conn.execute("SELECT count(*) FROM v_tasks WHERE result->>'by' <> worker_id").fetchone()
     assert wrong_owner == (0,)
     counters = dict(conn.execute("SELECT platform, in_flight FROM tq_platforms").fetchall())
     assert counters == dict.fromkeys(caps, 0)
@@ -227,7 +225,7 @@ def test_16_claimers_never_exceed_any_platforms_max_in_flight(db_url: str, conn:
     send_ats = conn.execute(
         """
         SELECT platform, bool_and(send_at IS NOT NULL), bool_and(send_at IS NULL)
-        FROM worker_tasks GROUP BY platform
+        FROM v_tasks GROUP BY platform
         """
     ).fetchall()
     assert {p: (with_start, without) for p, with_start, without in send_ats} == {
@@ -275,16 +273,14 @@ def test_request_starts_given_by_claims_never_exceed_the_platform_rate(db_url: s
 
     assert errors == []
     assert len(claimed) == len(set(claimed))
-    rows = conn.execute(
-        "SELECT send_at FROM worker_tasks WHERE status <> 'pending' ORDER BY send_at"
-    ).fetchall()
+    rows = conn.execute("SELECT send_at FROM v_tasks WHERE status <> 'pending' ORDER BY send_at").fetchall()
     assert len(rows) == len(claimed)
     assert all(r[0] is not None for r in rows)
     # A claim gives out the starts of the coming second only: no task waits longer for its first.
     ahead = conn.execute(
         """
         SELECT max(extract(EPOCH FROM send_at - claimed_at))::float
-        FROM worker_tasks WHERE status <> 'pending'
+        FROM v_tasks WHERE status <> 'pending'
         """
     ).fetchone()[0]
     assert 0 < ahead <= 1.0 + 1e-6
@@ -470,7 +466,7 @@ def test_a_killed_claimers_slots_come_back_with_its_lease(
     rows = conn.execute(
         """
         SELECT id, status, retry_count, worker_id, error_message
-        FROM worker_tasks WHERE id = ANY(%s) ORDER BY id
+        FROM v_tasks WHERE id = ANY(%s) ORDER BY id
         """,
         (doomed,),
     ).fetchall()

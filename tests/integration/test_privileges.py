@@ -303,7 +303,7 @@ def test_the_worker_runs_the_scheduled_jobs_a_drain_and_the_rollup(
     assert op_metadata(analytics, "enqueue_analytics_refresh_task")["created"] == 1
 
     # the hour of the completions, even if a new one began meanwhile
-    hour = conn.execute("SELECT max(completed_at) FROM worker_tasks").fetchone()[0].astimezone(UTC)
+    hour = conn.execute("SELECT max(completed_at) FROM v_tasks").fetchone()[0].astimezone(UTC)
     rollup = dg.materialize(
         [task_completion_log],
         partition_key=hour.strftime("%Y-%m-%d-%H:00"),
@@ -324,10 +324,11 @@ def test_the_worker_runs_the_scheduled_jobs_a_drain_and_the_rollup(
     assert fresh.metadata["dutchie_enabled"].value == 6
 
     # The nightly prune, with its Dagster runs trimmed too: its batches are functions.
-    conn.execute(
-        "UPDATE worker_tasks SET created_at = now() - interval '41 days',"
-        " completed_at = now() - interval '40 days' WHERE status = 'completed'"
-    )
+    for table in ("worker_tasks", "worker_task_history"):
+        conn.execute(
+            f"UPDATE {table} SET created_at = now() - interval '41 days',"
+            " completed_at = now() - interval '40 days' WHERE status = 'completed'"
+        )
     pruned = run_job(prune_job, worker_url)
     assert pruned.success, failure_text(pruned)
     assert status_counts(conn) == {"pending": 1}  # the analytics refresh queued above
@@ -529,7 +530,7 @@ def test_the_prune_batches_delete_only_what_is_past_their_floors(worker_url: str
         (store, long_ago),
     )
     counts = (
-        "SELECT (SELECT count(*) FROM worker_tasks), (SELECT count(*) FROM task_completion_log),"
+        "SELECT (SELECT count(*) FROM v_tasks), (SELECT count(*) FROM task_completion_log),"
         " (SELECT count(*) FROM worker_registry), (SELECT count(*) FROM product_history)"
     )
     assert conn.execute(counts).fetchone() == (2, 2, 2, 2)
@@ -630,7 +631,7 @@ def test_the_worker_is_refused_every_write_by_hand(worker_url: str, conn: psycop
         "VALUES ('dutchie', 2, 1, 2)"
     )
     snapshot = (
-        "SELECT (SELECT array_agg(t ORDER BY id) FROM worker_tasks t),"
+        "SELECT (SELECT array_agg(t ORDER BY id) FROM v_tasks t),"
         " (SELECT array_agg(r ORDER BY role) FROM worker_task_roles r),"
         " (SELECT array_agg(l ORDER BY platform) FROM tq_platforms l),"
         " (SELECT array_agg(k) FROM tq_retention k)"

@@ -25,7 +25,7 @@ def db_now(conn: psycopg.Connection) -> datetime:
 
 def row(conn: psycopg.Connection, task_id: int) -> dict[str, Any]:
     """The whole task row, for before/after comparisons."""
-    return conn.execute("SELECT to_jsonb(t) FROM worker_tasks t WHERE id = %s", (task_id,)).fetchone()[0]
+    return conn.execute("SELECT to_jsonb(t) FROM v_tasks t WHERE id = %s", (task_id,)).fetchone()[0]
 
 
 def insert_task(
@@ -100,7 +100,7 @@ def test_074_defect_5_open_transactions_claim_different_stores_without_unique_vi
         a.commit()
         b.commit()
     active = conn.execute(
-        "SELECT worker_id, dispensary_id FROM worker_tasks WHERE status IN ('claimed', 'running') ORDER BY 1"
+        "SELECT worker_id, dispensary_id FROM v_tasks WHERE status IN ('claimed', 'running') ORDER BY 1"
     ).fetchall()
     assert [w for w, _ in active] == (["wA", "wB"] if stores == 2 else ["wA"])
     assert_store_state_consistent(conn)
@@ -438,7 +438,7 @@ BAD_CALLS: list[tuple[str, Callable[[TaskQueue], object], str]] = [
 
 def _queue_state(conn: psycopg.Connection) -> tuple:
     return (
-        conn.execute("SELECT to_jsonb(t) FROM worker_tasks t ORDER BY id").fetchall(),
+        conn.execute("SELECT to_jsonb(t) FROM v_tasks t ORDER BY id").fetchall(),
         conn.execute("SELECT to_jsonb(w) FROM worker_registry w ORDER BY id").fetchall(),
         conn.execute("SELECT count(*) FROM task_completion_log").fetchall(),
         conn.execute("SELECT * FROM worker_task_heads ORDER BY 1, 2").fetchall(),
@@ -552,7 +552,7 @@ def test_retry_jitter_spreads_tasks_that_failed_together(conn: psycopg.Connectio
     with conn.transaction():
         for t in tasks:
             conn.execute("SELECT fail_task(%s, %s, 'rate limited')", (t.id, t.lease_token))
-    times = conn.execute("SELECT count(DISTINCT scheduled_for) FROM worker_tasks").fetchone()[0]
+    times = conn.execute("SELECT count(DISTINCT scheduled_for) FROM v_tasks").fetchone()[0]
     assert times > 1
 
 
@@ -610,7 +610,7 @@ def resync_schedule(conn: psycopg.Connection) -> list[tuple[int, datetime, str]]
     return conn.execute(
         """
         SELECT dispensary_id, scheduled_for AT TIME ZONE 'UTC', platform
-        FROM worker_tasks WHERE role = 'product_resync' ORDER BY dispensary_id
+        FROM v_tasks WHERE role = 'product_resync' ORDER BY dispensary_id
         """
     ).fetchall()
 
@@ -624,14 +624,12 @@ def test_074_defect_2_generate_resync_is_idempotent_per_store_and_date(
     assert queue.generate_resync(day=DAY) == 0
     assert queue.generate_resync(day=DAY, batches_per_day=12) == 0
     assert queue.generate_resync(day=DAY + timedelta(days=1)) == 10
-    per_day = conn.execute("SELECT resync_date, count(*) FROM worker_tasks GROUP BY 1 ORDER BY 1").fetchall()
+    per_day = conn.execute("SELECT resync_date, count(*) FROM v_tasks GROUP BY 1 ORDER BY 1").fetchall()
     assert per_day == [(DAY, 10), (DAY + timedelta(days=1), 10)]
     # A new store joining later gets its task on the next call, the others are not duplicated.
     add_stores(conn, 1)
     assert queue.generate_resync(day=DAY) == 1
-    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE resync_date = %s", (DAY,)).fetchone() == (
-        11,
-    )
+    assert conn.execute("SELECT count(*) FROM v_tasks WHERE resync_date = %s", (DAY,)).fetchone() == (11,)
 
 
 def test_074_defect_2_concurrent_generate_resync_creates_each_task_once(
@@ -670,7 +668,7 @@ def test_074_defect_2_concurrent_generate_resync_creates_each_task_once(
         thread.join()
     assert errors == []
     assert results == [stores, 0]
-    assert conn.execute("SELECT count(*), count(DISTINCT dispensary_id) FROM worker_tasks").fetchone() == (
+    assert conn.execute("SELECT count(*), count(DISTINCT dispensary_id) FROM v_tasks").fetchone() == (
         stores,
         stores,
     )
@@ -700,7 +698,7 @@ def test_074_defect_2_racing_threads_generate_resync_once(db_url: str, conn: psy
         t.join()
     assert errors == []
     assert sum(created) == stores
-    assert conn.execute("SELECT count(*) FROM worker_tasks").fetchone() == (stores,)
+    assert conn.execute("SELECT count(*) FROM v_tasks").fetchone() == (stores,)
 
 
 @pytest.mark.parametrize(
@@ -763,8 +761,8 @@ def test_074_defect_2_generate_resync_default_date_is_the_utc_date(conn: psycopg
     with conn.transaction():  # one now() for the call and the check
         assert conn.execute("SELECT generate_resync_tasks()").fetchone() == (3,)
         utc_day = conn.execute("SELECT (now() AT TIME ZONE 'UTC')::date").fetchone()[0]
-    assert conn.execute("SELECT DISTINCT resync_date FROM worker_tasks").fetchall() == [(utc_day,)]
-    first = conn.execute("SELECT min(scheduled_for) AT TIME ZONE 'UTC' FROM worker_tasks").fetchone()[0]
+    assert conn.execute("SELECT DISTINCT resync_date FROM v_tasks").fetchall() == [(utc_day,)]
+    first = conn.execute("SELECT min(scheduled_for) AT TIME ZONE 'UTC' FROM v_tasks").fetchone()[0]
     assert first == datetime(utc_day.year, utc_day.month, utc_day.day)
 
 
@@ -1044,9 +1042,7 @@ def test_deleting_store_with_active_task(conn: psycopg.Connection, queue: TaskQu
     queue.enqueue("product_discovery", gone)
     claimed = {t.dispensary_id: t for t in queue.claim_many(ROLE, "w", 2)}
     conn.execute("DELETE FROM dispensaries WHERE id = %s", (gone,))
-    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE dispensary_id = %s", (gone,)).fetchone() == (
-        0,
-    )
+    assert conn.execute("SELECT count(*) FROM v_tasks WHERE dispensary_id = %s", (gone,)).fetchone() == (0,)
     assert conn.execute(
         "SELECT count(*) FROM worker_task_stores WHERE dispensary_id = %s", (gone,)
     ).fetchone() == (0,)

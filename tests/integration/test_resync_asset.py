@@ -98,7 +98,7 @@ def finish(queue: TaskQueue, count: int, worker: str = "w-test") -> list[int]:
 
 
 def resync_dates(conn: psycopg.Connection, ids: list[int]) -> set[date]:
-    return {d for (d,) in conn.execute("SELECT resync_date FROM worker_tasks WHERE id = ANY(%s)", (ids,))}
+    return {d for (d,) in conn.execute("SELECT resync_date FROM v_tasks WHERE id = ANY(%s)", (ids,))}
 
 
 def test_a_backfilled_days_check_passes_only_once_its_tasks_are_done(
@@ -164,9 +164,7 @@ def test_past_days_wait_for_todays_work_and_are_claimed_after_it(
         [observation] = held.get_asset_observation_events()
         assert observation.partition == day.isoformat()
         assert observation.asset_observation_data.asset_observation.metadata["held"].value is True
-    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE resync_date < %s", (TODAY,)).fetchone() == (
-        0,
-    )
+    assert conn.execute("SELECT count(*) FROM v_tasks WHERE resync_date < %s", (TODAY,)).fetchone() == (0,)
 
     sensor = Sensor(instance, db_url)
     first = sensor.tick()

@@ -90,7 +90,7 @@ def add_unfinished(conn: psycopg.Connection, store: int, status: str, age: timed
 
 
 def task_ids(conn: psycopg.Connection) -> set[int]:
-    return {r[0] for r in conn.execute("SELECT id FROM worker_tasks").fetchall()}
+    return {r[0] for r in conn.execute("SELECT id FROM v_tasks").fetchall()}
 
 
 def rollup(conn: psycopg.Connection, hour: datetime, role: str = ROLE) -> tuple | None:
@@ -540,7 +540,7 @@ def test_the_prune_job_reports_per_table_counts(
     assert "| worker_tasks | 15 | 4 |" in meta["by_table"]
     assert instance.get_run_by_id(old_run) is None
     assert instance.get_run_by_id(result.run_id) is not None
-    assert conn.execute("SELECT count(*) FROM worker_tasks").fetchone() == (0,)
+    assert conn.execute("SELECT count(*) FROM v_tasks").fetchone() == (0,)
 
 
 def test_the_schedule_runs_daily_off_peak_and_dagster_yaml_trims_ticks() -> None:
@@ -578,7 +578,7 @@ def test_pruning_while_workers_claim_loses_no_active_task(
     # Pending work created as long ago as the pruned tasks: its created hours stay counted.
     add_tasks(conn, ROLE, stores, 15, adjacent=False)
     conn.execute("UPDATE worker_tasks SET created_at = now() - interval '60 days' WHERE status = 'pending'")
-    pending = {r[0] for r in conn.execute("SELECT id FROM worker_tasks WHERE status = 'pending'").fetchall()}
+    pending = {r[0] for r in conn.execute("SELECT id FROM v_tasks WHERE status = 'pending'").fetchall()}
     completed: list[int] = []
     errors: list[BaseException] = []
 

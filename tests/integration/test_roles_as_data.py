@@ -94,7 +94,7 @@ def test_a_role_added_with_an_insert_and_a_handler_is_drained_through_the_sensor
     assert result.success, failure_text(result)
     assert op_metadata(result, "drain_role_tasks")["completed"] == 6
     rows = conn.execute(
-        "SELECT status, result->>'handler', (result->>'id')::bigint = id FROM worker_tasks WHERE role = %s",
+        "SELECT status, result->>'handler', (result->>'id')::bigint = id FROM v_tasks WHERE role = %s",
         (NEW_ROLE,),
     ).fetchall()
     assert rows == [("completed", "echo", True)] * 6
@@ -125,7 +125,7 @@ def test_a_role_with_work_and_no_handler_gets_no_run_and_the_sensor_says_so(
     assert f"role '{ORPHAN_ROLE}' has no handler" in text
     assert "TQ_HANDLERS" in text
     assert conn.execute(
-        "SELECT count(*) FROM worker_tasks WHERE role = %s AND status = 'pending' AND worker_id IS NULL",
+        "SELECT count(*) FROM v_tasks WHERE role = %s AND status = 'pending' AND worker_id IS NULL",
         (ORPHAN_ROLE,),
     ).fetchone() == (3,)
 

@@ -61,7 +61,7 @@ def test_a_freed_slot_goes_to_the_next_task_of_its_platform_at_once(
     # The main loop's claims take up to a thread per free slot at once, and share a claimed_at;
     # a hand-off takes one task in a transaction of its own. Most tasks came by hand-off.
     claims = conn.execute(
-        "SELECT count(*) FROM worker_tasks WHERE role = %s GROUP BY claimed_at", (ROLE,)
+        "SELECT count(*) FROM v_tasks WHERE role = %s GROUP BY claimed_at", (ROLE,)
     ).fetchall()
     singles = sum(1 for (n,) in claims if n == 1)
     assert singles >= len(platform_of) // 2, claims
@@ -100,7 +100,7 @@ def test_drain_runs_share_a_platform_evenly(
     per_run = [
         n
         for (n,) in conn.execute(
-            "SELECT count(*) FROM worker_tasks WHERE status = 'completed' GROUP BY worker_id ORDER BY 1"
+            "SELECT count(*) FROM v_tasks WHERE status = 'completed' GROUP BY worker_id ORDER BY 1"
         ).fetchall()
     ]
     assert len(per_run) == runs, per_run
@@ -249,7 +249,7 @@ def test_a_hand_off_or_a_hold_needs_the_tasks_lease(conn: psycopg.Connection, qu
     def state() -> list[tuple[object, ...]]:
         return conn.execute(
             "SELECT (SELECT in_flight FROM tq_platforms), (SELECT busy_until FROM tq_platforms), "
-            "array_agg((id, status, worker_id, send_at IS NULL) ORDER BY id) FROM worker_tasks"
+            "array_agg((id, status, worker_id, send_at IS NULL) ORDER BY id) FROM v_tasks"
         ).fetchall()
 
     before = state()

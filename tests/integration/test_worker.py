@@ -55,7 +55,7 @@ def test_worker_drains_500_tasks(conn: psycopg.Connection, queue: TaskQueue, con
     assert len(seen) == len(set(seen)) == 500
     assert status_counts(conn) == {"completed": 500}
     mismatched = conn.execute(
-        "SELECT count(*) FROM worker_tasks WHERE (result->>'id')::int <> id OR worker_id <> 'drainer'"
+        "SELECT count(*) FROM v_tasks WHERE (result->>'id')::int <> id OR worker_id <> 'drainer'"
     ).fetchone()
     assert mismatched == (0,)
     assert registry(conn, "drainer") == ("offline", 500, 0)
@@ -99,8 +99,7 @@ def test_handler_errors_are_retried_then_failed(conn: psycopg.Connection, queue:
     stats = Worker(queue, LOOSE, handler, worker_id="flaky").run()
     assert (stats.completed, stats.retried, stats.failed) == (20, 10, 0)
     pending = conn.execute(
-        "SELECT id, retry_count, scheduled_for > now(), error_message"
-        " FROM worker_tasks WHERE status = 'pending'"
+        "SELECT id, retry_count, scheduled_for > now(), error_message FROM v_tasks WHERE status = 'pending'"
     ).fetchall()
     assert {r[0] for r in pending} == bad
     assert all(r[1] == 1 and r[2] for r in pending)
@@ -115,7 +114,7 @@ def test_handler_errors_are_retried_then_failed(conn: psycopg.Connection, queue:
         outcomes.append((s.claimed, s.retried, s.failed))
     assert outcomes == [(10, 10, 0), (10, 10, 0), (10, 0, 10)]
     assert status_counts(conn) == {"completed": 20, "failed": 10}
-    failed = conn.execute("SELECT DISTINCT retry_count FROM worker_tasks WHERE status = 'failed'").fetchall()
+    failed = conn.execute("SELECT DISTINCT retry_count FROM v_tasks WHERE status = 'failed'").fetchall()
     assert failed == [(3,)]
     assert registry(conn, "flaky") == ("offline", 20, 40)
 
@@ -124,7 +123,7 @@ def test_permanent_error_fails_at_once(conn: psycopg.Connection, queue: TaskQueu
     """PermanentTaskError fails the task on the spot, no retry."""
     stores = add_stores(conn, 4)
     add_tasks(conn, ROLE, stores, 1)
-    doomed = conn.execute("SELECT min(id) FROM worker_tasks").fetchone()[0]
+    doomed = conn.execute("SELECT min(id) FROM v_tasks").fetchone()[0]
 
     def handler(task: Task, ctx: TaskContext) -> Any:
         if task.id == doomed:
@@ -238,7 +237,7 @@ def test_background_heartbeat_extends_running_leases(db_url: str, conn: psycopg.
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 moved = other.execute(
-                    "SELECT last_heartbeat_at > claimed_at FROM worker_tasks WHERE id = %s", (task.id,)
+                    "SELECT last_heartbeat_at > claimed_at FROM v_tasks WHERE id = %s", (task.id,)
                 ).fetchone()[0]
                 if moved:
                     break
@@ -309,14 +308,14 @@ def test_an_idle_worker_stays_picks_up_new_work_and_ends_after_its_idle_limit(
             assert thread.is_alive()
             [task_id] = add_loose_tasks(conn, 1)
             deadline = time.monotonic() + 10
-            while conn.execute("SELECT status FROM worker_tasks WHERE id = %s", (task_id,)).fetchone() != (
+            while conn.execute("SELECT status FROM v_tasks WHERE id = %s", (task_id,)).fetchone() != (
                 "completed",
             ):
                 assert time.monotonic() < deadline, "the idle worker did not take the new task"
                 time.sleep(0.02)
-            assert conn.execute(
-                "SELECT worker_id FROM worker_tasks WHERE id = %s", (task_id,)
-            ).fetchone() == ("long-lived",)
+            assert conn.execute("SELECT worker_id FROM v_tasks WHERE id = %s", (task_id,)).fetchone() == (
+                "long-lived",
+            )
         last = time.monotonic()
         thread.join(timeout=30)
         assert not thread.is_alive()

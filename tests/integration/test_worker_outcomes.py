@@ -29,7 +29,7 @@ def test_handler_inputs_that_cannot_be_stored_cost_only_their_own_task(
 ):
     stores = add_stores(conn, 12)
     add_tasks(conn, ROLE, stores, 1)
-    ids = [r[0] for r in conn.execute("SELECT id FROM worker_tasks ORDER BY id").fetchall()]
+    ids = [r[0] for r in conn.execute("SELECT id FROM v_tasks ORDER BY id").fetchall()]
     poison = {
         ids[0]: lambda ctx: (_ for _ in ()).throw(PermanentTaskError("HTTP 404: body \x00 with a NUL")),
         ids[1]: lambda ctx: (_ for _ in ()).throw(TransientTaskError("upstream said: " + MEGABYTE)),
@@ -47,9 +47,7 @@ def test_handler_inputs_that_cannot_be_stored_cost_only_their_own_task(
     assert (stats.failed, stats.retried) == (1, 3)  # the 404 fails at once, the others retry
 
     rows = dict(
-        conn.execute(
-            "SELECT id, error_message FROM worker_tasks WHERE id = ANY(%s)", (list(poison),)
-        ).fetchall()
+        conn.execute("SELECT id, error_message FROM v_tasks WHERE id = ANY(%s)", (list(poison),)).fetchall()
     )
     for task_id, error in rows.items():
         assert "\x00" not in error, task_id

@@ -76,7 +76,7 @@ def test_stop_lets_running_handlers_finish_with_their_leases_alive(
     assert sum(expired) == 0, "a lease expired while its handler ran after stop()"
     assert (stats.claimed, stats.completed, stats.lost) == (2, 2, 0)
     assert status_counts(conn) == {"completed": 2, "pending": 4}  # no claim after stop()
-    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE retry_count > 0").fetchone() == (0,)
+    assert conn.execute("SELECT count(*) FROM v_tasks WHERE retry_count > 0").fetchone() == (0,)
 
 
 def test_handlers_past_the_grace_period_are_given_back_and_their_writes_refused(
@@ -104,7 +104,7 @@ def test_handlers_past_the_grace_period_are_given_back_and_their_writes_refused(
     stopper = _StopWhenStarted(worker, 2)
     stats = worker.run()
     assert stats.deferred == 2
-    rows = conn.execute("SELECT status, retry_count, worker_id FROM worker_tasks").fetchall()
+    rows = conn.execute("SELECT status, retry_count, worker_id FROM v_tasks").fetchall()
     assert rows == [("pending", 0, None)] * 2  # given back untried
     assert finished.wait(10), "the late handlers did not run into the fence"
     assert conn.execute("SELECT count(*) FROM effects").fetchone() == (0,)
@@ -122,7 +122,7 @@ def test_inline_stop_gives_back_the_rest_of_the_batch_untried(conn: psycopg.Conn
     stats = worker.run()
     assert (stats.claimed, stats.completed, stats.deferred) == (5, 2, 3)
     assert status_counts(conn) == {"completed": 2, "pending": 3}
-    assert conn.execute("SELECT count(*) FROM worker_tasks WHERE retry_count > 0").fetchone() == (0,)
+    assert conn.execute("SELECT count(*) FROM v_tasks WHERE retry_count > 0").fetchone() == (0,)
 
 
 def test_the_error_a_run_reports_is_its_first(db_url: str, conn: psycopg.Connection):
