@@ -5031,7 +5031,7 @@ CREATE TABLE public.worker_task_history (
 -- Name: TABLE worker_task_history; Type: COMMENT; Schema: public; Owner: -
 --
 
-COMMENT ON TABLE public.worker_task_history IS 'Finished tasks (completed, failed, cancelled), moved out of worker_tasks by archive_tasks; v_tasks reads both';
+COMMENT ON TABLE public.worker_task_history IS 'Finished tasks: completed ones moved by their completion (0023), failed and cancelled ones by archive_tasks; v_tasks reads both';
 
 
 --

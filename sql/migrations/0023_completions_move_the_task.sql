@@ -185,4 +185,7 @@ BEGIN
 END;
 $$ LANGUAGE plpgsql;
 
+COMMENT ON TABLE worker_task_history IS
+  'Finished tasks: completed ones moved by their completion (0023), failed and cancelled ones by archive_tasks; v_tasks reads both';
+
 CALL tq_secure_functions();

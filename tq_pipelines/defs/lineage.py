@@ -111,8 +111,9 @@ TABLES: dict[dg.AssetKey, tuple[str, dg.AssetSpec]] = {
             dg.AssetSpec(
                 WORKER_TASK_HISTORY,
                 deps=[WORKER_TASKS],
-                description="Finished tasks (completed, failed, cancelled), moved out of worker_tasks "
-                "a minute after they finished; v_tasks reads both. Kept 30 days (docs/QUEUE.md).",
+                description="Finished tasks: completed ones moved out of worker_tasks by their "
+                "completion, failed and cancelled ones a minute after they finished; v_tasks reads "
+                "both. Kept 30 days (docs/QUEUE.md).",
                 group_name=QUEUE,
                 owners=QUEUE_OWNERS,
                 kinds=POSTGRES,

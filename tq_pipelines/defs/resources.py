@@ -123,8 +123,9 @@ class QueueResource(dg.ConfigurableResource):
     drain_time_budget_seconds: float = Field(default=14_400, gt=0, le=86_400)
     drain_idle_poll_seconds: float = Field(default=0.5, ge=0.05, le=60)
     drain_idle_exit_seconds: float = Field(default=1800, ge=0, le=86_400)
-    # Tasks finished longer ago than this leave worker_tasks for worker_task_history, a batch
-    # per task_queue_sensor tick (v_tasks reads both): the hot table holds the queue, not its past.
+    # Failed and cancelled tasks finished longer ago than this leave worker_tasks for
+    # worker_task_history, a batch per task_queue_sensor tick (v_tasks reads both; a completion
+    # moves its task itself): the hot table holds the queue, not its past.
     archive_after_seconds: float = Field(default=60, ge=0, le=86_400)
     archive_batch_size: int = Field(default=5000, ge=1, le=100_000)
     # The admin's database URL, for the admin's acts (loading the platforms' limits); empty falls

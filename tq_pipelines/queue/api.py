@@ -471,8 +471,9 @@ class TaskQueue:
 
     def archive_finished(self, older_than_seconds: float = 60.0, *, limit: int = 5000) -> int:
         """Move up to ``limit`` tasks finished more than ``older_than_seconds`` ago from
-        ``worker_tasks`` to ``worker_task_history``, oldest first; returns how many moved.
-        ``v_tasks`` reads both: only the hot table gets smaller."""
+        ``worker_tasks`` to ``worker_task_history``, oldest first; returns how many moved. Since
+        0023 these are failed and cancelled tasks (a completion moves its own). ``v_tasks`` reads
+        both: only the hot table gets smaller."""
         if not (isinstance(older_than_seconds, int | float) and 0 <= older_than_seconds < 10**9):
             raise QueueInputError(
                 "archive_tasks: older_than_seconds must be a finite number of seconds >= 0, "
