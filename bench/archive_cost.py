@@ -31,8 +31,11 @@ CLAIM = "SELECT (c).task.id, (c).lease FROM claim_tasks(%s, %s, 50, true) AS c"
 SCHEMAS = ("0023", "before 0023")
 
 
-def one_round(conn: psycopg.Connection, tasks: int, stores: int, batch: int) -> tuple[float, float]:
-    """Seconds per task: completing them, then archiving what the completions left."""
+def one_round(
+    conn: psycopg.Connection, tasks: int, stores: int, batch: int, moves: bool
+) -> tuple[float, float]:
+    """Seconds per task: completing them, then archiving what the completions left (none when
+    the completion ``moves`` the task, all of them when it does not)."""
     conn.execute(
         "INSERT INTO worker_tasks (role, dispensary_id, platform)"
         " SELECT %s, d.id, 'dutchie' FROM dispensaries d CROSS JOIN generate_series(1, %s) g",
@@ -55,6 +58,7 @@ def one_round(conn: psycopg.Connection, tasks: int, stores: int, batch: int) -> 
         if not row or not row[0]:
             break
         moved += row[0]
+    assert moved == (0 if moves else done), (moved, done)
     return completing / done, archiving / done
 
 
@@ -81,7 +85,7 @@ def main() -> None:
         for n in range(args.rounds):
             for schema in SCHEMAS:
                 conn = conns[schema]
-                results[schema].append(one_round(conn, args.tasks, args.stores, args.batch))
+                results[schema].append(one_round(conn, args.tasks, args.stores, args.batch, schema == "0023"))
                 conn.execute("VACUUM ANALYZE worker_tasks, worker_task_history")
                 c, a = results[schema][-1]
                 print(
