@@ -187,10 +187,13 @@ BEGIN
   WITH RECURSIVE heads (platform) AS (
     SELECT f.platform
     FROM worker_task_floors f
+    -- LATERAL ... LIMIT 1, not EXISTS (0024): planned on its own, the floor's values position
+    -- the probe; a semi-join may read the role's heads whole when they look few.
+    CROSS JOIN LATERAL (SELECT 1 FROM worker_task_heads h
+                        WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
+                          AND h.due_at >= f.floor
+                        LIMIT 1) h
     WHERE f.role = p_role
-      AND EXISTS (SELECT 1 FROM worker_task_heads h
-                  WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
-                    AND h.due_at >= f.floor)
   ),
   loose (platform) AS (
     (SELECT coalesce(t.platform, '') FROM worker_tasks t
@@ -3210,7 +3213,8 @@ BEGIN
     ORDER BY t.due_at, t.priority DESC, t.id
     LIMIT 1;
     IF NOT FOUND THEN
-      DELETE FROM worker_task_heads h WHERE h.role = p_role AND h.dispensary_id = p_store;
+      -- The whole key (0024): a condition on role alone could scan every head of the role.
+      DELETE FROM worker_task_heads h WHERE h.dispensary_id = p_store AND h.role || '' = p_role || '';
       RETURN;
     END IF;
   END IF;
@@ -3291,10 +3295,11 @@ BEGIN
   ),
   gone AS (
     DELETE FROM worker_task_heads h
-    USING fresh f
-    WHERE h.role = f.role
-      AND h.dispensary_id = f.dispensary_id
-      AND f.priority IS NULL
+    -- By the keys left with no pending task, as arrays taken once (0024), positioned on their
+    -- stores: a join to fresh lets a planner that believes the heads few read them all.
+    WHERE h.dispensary_id = ANY (ARRAY(SELECT f.dispensary_id FROM fresh f WHERE f.priority IS NULL))
+      AND h.dispensary_id || ' ' || h.role
+          = ANY (ARRAY(SELECT f.dispensary_id || ' ' || f.role FROM fresh f WHERE f.priority IS NULL))
   ),
   written AS (
     INSERT INTO worker_task_heads AS h (role, dispensary_id, priority, due_at, recheck_at, platform)

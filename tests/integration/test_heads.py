@@ -67,3 +67,66 @@ def test_no_join_of_the_heads_to_their_stores_offers_a_merge_key(conn: psycopg.C
         assert joins, name
         for line in joins:
             assert "s.dispensary_id = h.dispensary_id + 0" in line, f"{name}: {line}"
+
+
+HEADS_INDEX_READS = (
+    "SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE relname = 'worker_task_heads'"
+)
+
+
+def _heads_index_reads(conn: psycopg.Connection) -> int:
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    conn.execute("SELECT 1")  # the flush happens as the backend goes idle
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = conn.execute(HEADS_INDEX_READS).fetchone()
+    assert row
+    return int(row[0])
+
+
+def _claim_and_complete(conn: psycopg.Connection, worker: str, n: int) -> int:
+    rows = conn.execute(
+        "SELECT (c).task.id, (c).lease FROM claim_tasks(%s, %s, %s, true) AS c", (ROLE, worker, n)
+    ).fetchall()
+    if rows:
+        conn.execute(
+            "SELECT complete_tasks(%s, %s, %s::JSONB[])",
+            ([r[0] for r in rows], [r[1] for r in rows], [None] * len(rows)),
+        )
+    return len(rows)
+
+
+def test_a_claim_after_a_nearly_empty_analyze_reads_only_its_own_heads(conn: psycopg.Connection, db_url: str):
+    """0024: autovacuum finds a queue that keeps up nearly empty, and its ANALYZE then says the
+    heads are one or two; with a reader's snapshot keeping every dead head, plans that read the
+    role's heads whole (a semi-join probe, a DELETE joined to the fresh heads) looked cheapest and
+    walked thousands of dead entries per claim."""
+    stores = add_stores(conn, 650)
+    conn.execute("SELECT register_worker('heads-w', %s)", (ROLE,))
+    enqueue = "SELECT enqueue_task_once(%s, s, NULL, 0, NULL, NULL) FROM unnest(%s::INT[]) s"
+    with psycopg.connect(db_url) as reader:
+        reader.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM worker_tasks")  # the snapshot, held from here
+        for _ in range(8):  # 4,800 heads made and deleted: dead, and kept by the snapshot
+            conn.execute(enqueue, (ROLE, stores[:600]))
+            while _claim_and_complete(conn, "heads-w", 200):
+                pass
+        # One head left, due in an hour; a second on, a claim (of nothing) raises the role's floor
+        # past the dead heads, as a fleet's claims keep it a second behind.
+        conn.execute(
+            "SELECT enqueue_task_once(%s, %s, NULL, 0, now() + interval '1 hour', NULL)", (ROLE, stores[-1])
+        )
+        time.sleep(1.2)
+        assert _claim_and_complete(conn, "heads-w", 50) == 0
+        conn.execute("ANALYZE worker_task_heads")
+        (heads,) = conn.execute(
+            "SELECT reltuples FROM pg_class WHERE relname = 'worker_task_heads'"
+        ).fetchone() or (None,)
+        assert heads == 1
+        conn.execute(enqueue, (ROLE, stores[:50]))
+        before = _heads_index_reads(conn)
+        assert _claim_and_complete(conn, "heads-w", 50) == 50
+        reads = _heads_index_reads(conn) - before
+    # The 50 stores' heads, the floor's probe and the rewrites: a few hundred entries at most,
+    # where a read of the role's heads is 4,800 (and one per claimed store, 240,000).
+    assert reads < 1000, reads
+    assert_store_state_consistent(conn)
