@@ -14,8 +14,9 @@ REPEATABLE READ transaction takes its snapshot first and holds it to the end. ``
 through the queue (``enqueue_task_once`` on 100 stores at a time, ``claim_tasks`` of 100 with
 start, ``complete_tasks``), leaving their dead versions behind. Then, for each count in
 ``--live``: the queue is drained, that many stores get a task, ``ANALYZE worker_task_heads``; then
-``--claims`` times 50 stores get a task and one ``claim_tasks`` of 50 takes them, timed by the
-client on a local connection (median), and they are completed. The schemas alternate per count.
+``--claims`` times 50 more stores get a task and one ``claim_tasks`` of 50 is timed by the client
+on a local connection (median), and what it took is completed. A claim takes the oldest due
+heads first, so the ``--live`` stores go first. The schemas alternate per count.
 """
 
 import statistics

@@ -448,12 +448,14 @@ CREATE FUNCTION public.claim_wait(p_role character varying) RETURNS double preci
   WITH due AS (
     SELECT f.platform
     FROM worker_task_floors f
+    -- LATERAL ... LIMIT 1, not EXISTS (0024), as in claim_tasks.
+    CROSS JOIN LATERAL (SELECT 1
+                        FROM worker_task_heads h
+                        JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id + 0  -- + 0: not a merge key (0020)
+                        WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
+                          AND h.due_at >= f.floor AND h.due_at <= now() AND s.active_task_id IS NULL
+                        LIMIT 1) h
     WHERE f.role = p_role
-      AND EXISTS (SELECT 1
-                  FROM worker_task_heads h
-                  JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id + 0  -- + 0: not a merge key (0020)
-                  WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
-                    AND h.due_at >= f.floor AND h.due_at <= now() AND s.active_task_id IS NULL)
     UNION
     SELECT DISTINCT coalesce(t.platform, '')
     FROM worker_tasks t

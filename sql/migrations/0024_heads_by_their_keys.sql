@@ -8,21 +8,23 @@
 -- costs one page, and two of the claim's statements did so, auto_explain showed:
 --
 -- * tq_refresh_heads, run by the claim's trigger, deleted the claimed stores' heads (USING fresh)
---   through a scan of a whole index: of idx_worker_task_heads_platform with only role positioned
---   (0.96 s of a claim of 50 with 150,000 dead heads), or of worker_task_heads_store_role in
---   store order, for a merge with the stores (20,347 buffers for 50 heads).
+--   through idx_worker_task_heads_platform with only role positioned, for each store: 0.96 s of
+--   a claim of 50, after 150,000 tasks under a held snapshot. Joined on the whole key instead,
+--   the DELETE read worker_task_heads_store_role whole, in store order, as the join's outer side
+--   (20,347 buffers for 50 heads); positioned on the given stores and joined, it read them all
+--   once per store. So it has no join now.
 -- * claim_tasks' first look for work probed the heads of each floor with a semi-join that read
 --   the role's heads once, with no condition on platform, priority or floor (587 buffers, 73
---   with the floor's).
+--   with the floor's). claim_wait, which an idle worker calls, probes the same way.
 --
 -- Now:
 -- * The DELETE takes the keys left with no pending task as arrays, each computed once, and is
---   positioned on their stores (h.dispensary_id = ANY (...), an index condition of
+--   positioned on their stores (h.dispensary_id = ANY (...), the leading column of
 --   worker_task_heads_store_role), the exact keys a filter: no join, so no join order and no
---   column order for the planner to choose. tq_refresh_head's delete of one head compares the
---   whole key, dispensary_id and role || ''.
--- * The floor's probe is a LATERAL subquery with LIMIT 1: it is planned on its own with the
---   floor's values as parameters, so every condition positions the scan.
+--   merge for the planner to choose. tq_refresh_head's delete of one head compares the whole
+--   key, dispensary_id and role || ''.
+-- * The floors' probes (claim_tasks, claim_wait) are LATERAL subqueries with LIMIT 1: planned on
+--   their own with the floor's values as parameters, so every condition positions the scan.
 --
 -- The statements are patched in place, as in 0020: every other line of those functions, their
 -- settings and grants stay as they are. Safe to run twice.
@@ -73,6 +75,27 @@ $o$,
     CROSS JOIN LATERAL (SELECT 1 FROM worker_task_heads h
                         WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
                           AND h.due_at >= f.floor
+                        LIMIT 1) h
+    WHERE f.role = p_role
+$n$),
+    ('claim_wait(varchar)'::REGPROCEDURE,
+     $o$
+    FROM worker_task_floors f
+    WHERE f.role = p_role
+      AND EXISTS (SELECT 1
+                  FROM worker_task_heads h
+                  JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id + 0  -- + 0: not a merge key (0020)
+                  WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
+                    AND h.due_at >= f.floor AND h.due_at <= now() AND s.active_task_id IS NULL)
+$o$,
+     $n$
+    FROM worker_task_floors f
+    -- LATERAL ... LIMIT 1, not EXISTS (0024), as in claim_tasks.
+    CROSS JOIN LATERAL (SELECT 1
+                        FROM worker_task_heads h
+                        JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id + 0  -- + 0: not a merge key (0020)
+                        WHERE h.role = p_role AND h.platform = f.platform AND h.priority = f.priority
+                          AND h.due_at >= f.floor AND h.due_at <= now() AND s.active_task_id IS NULL
                         LIMIT 1) h
     WHERE f.role = p_role
 $n$)

@@ -98,8 +98,8 @@ def _claim_and_complete(conn: psycopg.Connection, worker: str, n: int) -> int:
 def test_a_claim_after_a_nearly_empty_analyze_reads_only_its_own_heads(conn: psycopg.Connection, db_url: str):
     """0024: autovacuum finds a queue that keeps up nearly empty, and its ANALYZE then says the
     heads are one or two; with a reader's snapshot keeping every dead head, plans that read the
-    role's heads whole (a semi-join probe, a DELETE joined to the fresh heads) looked cheapest and
-    walked thousands of dead entries per claim."""
+    role's heads whole (the floors' semi-join probes, a DELETE joined to the fresh heads) looked
+    cheapest and walked thousands of dead entries per claim."""
     stores = add_stores(conn, 650)
     conn.execute("SELECT register_worker('heads-w', %s)", (ROLE,))
     enqueue = "SELECT enqueue_task_once(%s, s, NULL, 0, NULL, NULL) FROM unnest(%s::INT[]) s"
@@ -124,9 +124,12 @@ def test_a_claim_after_a_nearly_empty_analyze_reads_only_its_own_heads(conn: psy
         assert heads == 1
         conn.execute(enqueue, (ROLE, stores[:50]))
         before = _heads_index_reads(conn)
+        # An idle worker's look for work, then the claim.
+        (wait,) = conn.execute("SELECT claim_wait(%s)", (ROLE,)).fetchone() or (None,)
+        assert wait is not None
         assert _claim_and_complete(conn, "heads-w", 50) == 50
         reads = _heads_index_reads(conn) - before
-    # The 50 stores' heads, the floor's probe and the rewrites: a few hundred entries at most,
+    # The 50 stores' heads, the floors' probes and the rewrites: a few hundred entries at most,
     # where a read of the role's heads is 4,800 (and one per claimed store, 240,000).
     assert reads < 1000, reads
     assert_store_state_consistent(conn)
