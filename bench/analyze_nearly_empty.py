@@ -28,8 +28,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.queue_throughput import recreate_db, reset_stores, server_parser
-from tq_pipelines.db.migrate import load_migrations, migrate
+from bench.queue_throughput import migrated_db, reset_stores, server_parser
 
 ROLE = "product_resync"
 WORKER = "bench-analyze"
@@ -89,11 +88,9 @@ def main() -> None:
         parser.error("--stores must exceed the largest --live plus 50 per claim")
 
     urls = {
-        "0024": recreate_db(args.url, "tq_bench_analyze"),
-        "before 0024": recreate_db(args.url, "tq_bench_analyze_before"),
+        "0024": migrated_db(args.url, "tq_bench_analyze"),
+        "before 0024": migrated_db(args.url, "tq_bench_analyze_before", "0024"),
     }
-    migrate(urls["0024"])
-    migrate(urls["before 0024"], [m for m in load_migrations() if m.version < "0024"])
     conns = {k: psycopg.connect(u, autocommit=True) for k, u in urls.items()}
     readers = {k: psycopg.connect(u) for k, u in urls.items()}
     results: dict[tuple[str, int], tuple[float, float]] = {}

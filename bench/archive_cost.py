@@ -22,8 +22,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.queue_throughput import recreate_db, reset_stores, server_parser
-from tq_pipelines.db.migrate import load_migrations, migrate
+from bench.queue_throughput import migrated_db, reset_stores, server_parser
 
 ROLE = "product_resync"
 WORKER = "bench-archive"
@@ -71,11 +70,9 @@ def main() -> None:
     args = parser.parse_args()
 
     urls = {
-        "0023": recreate_db(args.url, "tq_bench_archive"),
-        "before 0023": recreate_db(args.url, "tq_bench_archive_before"),
+        "0023": migrated_db(args.url, "tq_bench_archive"),
+        "before 0023": migrated_db(args.url, "tq_bench_archive_before", "0023"),
     }
-    migrate(urls["0023"])
-    migrate(urls["before 0023"], [m for m in load_migrations() if m.version < "0023"])
     conns = {k: psycopg.connect(u, autocommit=True) for k, u in urls.items()}
     results: dict[str, list[tuple[float, float]]] = {k: [] for k in SCHEMAS}
     try:

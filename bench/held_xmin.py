@@ -30,8 +30,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.queue_throughput import recreate_db, reset_stores, server_parser
-from tq_pipelines.db.migrate import load_migrations, migrate
+from bench.queue_throughput import migrated_db, reset_stores, server_parser
 
 ROLE = "product_resync"
 WORKER = "bench-held"
@@ -122,11 +121,9 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    urls = {"now": recreate_db(args.url, "tq_bench_held")}
-    migrate(urls["now"])
+    urls = {"now": migrated_db(args.url, "tq_bench_held")}
     if args.before:
-        urls[f"before {args.before}"] = recreate_db(args.url, "tq_bench_held_before")
-        migrate(urls[f"before {args.before}"], [m for m in load_migrations() if m.version < args.before])
+        urls[f"before {args.before}"] = migrated_db(args.url, "tq_bench_held_before", args.before)
     for url in urls.values():
         with psycopg.connect(url, autocommit=True) as conn:
             reset_stores(conn, args.stores)

@@ -64,6 +64,14 @@ def recreate_db(server: str, name: str) -> str:
     return make_conninfo(server, dbname=name)
 
 
+def migrated_db(server: str, name: str, before: str | None = None) -> str:
+    """A new database with the project's migrations, or only those before version ``before``:
+    the queue as it was, for a bench that measures a change beside it."""
+    url = recreate_db(server, name)
+    migrate(url, [m for m in load_migrations() if m.version < before] if before else None)
+    return url
+
+
 def server_parser(doc: str | None) -> argparse.ArgumentParser:
     """A bench's arguments, starting with ``--url``: the server it creates its databases on."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -348,8 +356,7 @@ def main() -> None:
             schemas[f"without {args.without}"], [m for m in load_migrations() if m.version != args.without]
         )
     elif args.before:
-        schemas[f"before {args.before}"] = recreate_db(args.url, BENCH_DB + "_without")
-        migrate(schemas[f"before {args.before}"], [m for m in load_migrations() if m.version < args.before])
+        schemas[f"before {args.before}"] = migrated_db(args.url, BENCH_DB + "_without", args.before)
     compared = bool(args.without or args.before)
     compare = (" now / without |" if args.without else " now / before |") if compared else ""
     header = "| schema | layout | mode | workers | tasks | claim calls | seconds | tasks/s | x pgbench TPS |"
