@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.cpu import Span, own_cpu  # noqa: E402
+from bench.instance import deployed_instance  # noqa: E402
 from bench.queue_throughput import recreate_db  # noqa: E402
 from tq_pipelines.db.migrate import migrate  # noqa: E402
 from tq_pipelines.defs.jobs import drain_tasks_job  # noqa: E402
@@ -158,7 +159,7 @@ def drain(url: str, role: str, path: Path, pool: int) -> dict[str, Any]:
             "tq": QueueResource(database_url=url, pool_max_size=pool),
             "crawl": CrawlResource(platforms_file=str(path)),
         },
-        instance=dg.DagsterInstance.ephemeral(),
+        instance=deployed_instance(),
     )
     [event] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_OUTPUT]
     return {k: v.value for k, v in event.step_output_data.metadata.items()}

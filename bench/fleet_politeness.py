@@ -39,6 +39,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.instance import deployed_instance  # noqa: E402
 from bench.queue_throughput import recreate_db  # noqa: E402
 from tq_pipelines.crawl.handlers import HTTP_ROLES, enqueue_store_discovery  # noqa: E402
 from tq_pipelines.crawl.platforms import load_platform_settings  # noqa: E402
@@ -109,7 +110,7 @@ def _drain_loop(url: str, role: str, path: str, stop: Any, out: Any) -> None:
                 "loggers": {"console": {"config": {"log_level": "WARNING"}}},
             },
             resources=resources,
-            instance=dg.DagsterInstance.ephemeral(),
+            instance=deployed_instance(),
         )
         [event] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_OUTPUT]
         meta = {k: v.value for k, v in event.step_output_data.metadata.items()}

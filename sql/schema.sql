@@ -1233,6 +1233,7 @@ DECLARE
   v_worker VARCHAR;
   v_platform VARCHAR;
 BEGIN
+  PERFORM tq_slot_commit();  -- 0025
   UPDATE worker_tasks t
   SET send_at = NULL
   WHERE t.id = p_task_id
@@ -1298,6 +1299,7 @@ CREATE FUNCTION public.platform_release(p_task_id integer, p_lease uuid) RETURNS
     SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
+  PERFORM tq_slot_commit();  -- 0025
   UPDATE worker_tasks t
   SET send_at = NULL
   WHERE t.id = p_task_id
@@ -1325,6 +1327,7 @@ DECLARE
   v_base TIMESTAMPTZ;
   v_decision TEXT := 'go';
 BEGIN
+  PERFORM tq_slot_commit();  -- 0025
   SELECT t.platform, t.send_at INTO v_platform, v_send_at
   FROM worker_tasks t
   WHERE t.id = p_task_id
@@ -3649,6 +3652,28 @@ CREATE FUNCTION public.tq_shown(p_value text) RETURNS text
     ELSE quote_literal(p_value)
   END;
 $$;
+
+
+--
+-- Name: tq_slot_commit(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_slot_commit() RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  IF txid_current_if_assigned() IS NULL THEN
+    PERFORM set_config('synchronous_commit', 'off', true);
+  END IF;
+END;
+$$;
+
+
+--
+-- Name: FUNCTION tq_slot_commit(); Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON FUNCTION public.tq_slot_commit() IS 'Slot bookkeeping in a transaction that wrote nothing before: commit without waiting for the WAL flush (0025)';
 
 
 --

@@ -266,3 +266,41 @@ def test_a_hand_off_or_a_hold_needs_the_tasks_lease(conn: psycopg.Connection, qu
     nxt = queue.platform_handoff(task)
     assert nxt is not None and nxt.id not in (task.id,)
     assert state() != before
+
+
+def test_slot_bookkeeping_commits_without_its_flush_unless_its_transaction_wrote(
+    db_url: str, conn: psycopg.Connection, queue: TaskQueue
+):
+    """0025: a hand-off, a start or a release alone in its transaction does not wait for the WAL
+    flush; called after the caller's own writes, it leaves that transaction's flush as it was."""
+    queue.sync_platform_limits([PlatformLimits("dutchie", max_in_flight=2, requests_per_second=1000)])
+    for i in range(4):
+        [store] = conn.execute(
+            "INSERT INTO dispensaries (name, menu_type) VALUES (%s, 'dutchie') RETURNING id", (f"s{i}",)
+        ).fetchone()
+        queue.enqueue(ROLE, store, platform="dutchie")
+    first, second = queue.claim_many(ROLE, "w", 2, start=True)
+    calls = {
+        "request": ("SELECT decision FROM platform_request(%(task_id)s, %(lease)s, true)", first),
+        "handoff": ("SELECT (h.task).id FROM platform_handoff(%(task_id)s, %(lease)s) h", first),
+        "release": ("SELECT platform_release(%(task_id)s, %(lease)s)", second),
+    }
+    with psycopg.connect(db_url) as c:  # a transaction per call
+        for name, (sql, task) in calls.items():
+            params = {"task_id": task.id, "lease": task.lease_token}
+            # After the caller's own write: its commit keeps its flush (and rolls back here).
+            c.execute("UPDATE dispensaries SET name = name WHERE id = %s", (task.dispensary_id,))
+            assert c.execute(sql, params).fetchone() is not None
+            assert c.execute("SHOW synchronous_commit").fetchone() == ("on",), name
+            c.rollback()
+            # Alone: no flush wait, and what it did commits.
+            assert c.execute(sql, params).fetchone() is not None
+            assert c.execute("SHOW synchronous_commit").fetchone() == ("off",), name
+            c.commit()
+            assert c.execute("SHOW synchronous_commit").fetchone() == ("on",), name
+            c.rollback()
+    # The hand-off passed first's slot on, the release gave second's back: one slot held.
+    assert conn.execute("SELECT in_flight FROM tq_platforms").fetchone() == (1,)
+    assert conn.execute(
+        "SELECT count(*) FROM v_tasks WHERE status = 'running' AND send_at IS NOT NULL"
+    ).fetchone() == (1,)
