@@ -111,6 +111,8 @@ INVOKER_FUNCTIONS = {
     "tq_fair_share",
     "tq_worker_room",
     "tq_sync_limits",
+    # slot bookkeeping without a flush wait, under the hand-off, a start and a release (0025)
+    "tq_slot_commit",
 }
 
 
