@@ -1,20 +1,21 @@
-"""Slot hand-offs on one platform: the queue with 0025 against the queue before it, in one run.
+"""Slot hand-offs on one platform: the queue as it is against the queue before a migration, in one run.
 
-    python bench/slot_handoffs.py [--url URL] [--slots 8,16] [--tasks 6000] [--repeat 3]
-                                  [--pgbench-seconds 5]
+    python bench/slot_handoffs.py [--url URL] [--before 0026] [--slots 8,16] [--tasks 6000]
+                                  [--repeat 3] [--pgbench-seconds 5]
 
 Every hand-off (``platform_handoff``: the slot goes back and the platform's next task is
-claimed with it) and every late start locks its platform's row in ``tq_platforms``. Before 0025
-the row stayed locked through the commit's WAL flush, so the hand-offs of one platform queued
-behind each other's flushes; with 0025 they commit without waiting for it.
+claimed with it) locks its platform's row in ``tq_platforms``, so the hand-offs of a platform
+take turns. Before 0025 the row stayed locked through the commit's WAL flush; before 0026 a
+hand-off wrote the row three times, in two UPDATEs of worker_tasks, each with its triggers.
 
-Two databases on one server: the project's migrations, and the migrations before 0025. In each,
+Two databases on one server: the project's migrations, and those before ``--before``. In each,
 ``--tasks`` stores of one platform get a task, the platform allows ``--slots`` requests in
 flight (and a rate that never binds), one worker claims that many tasks, and as many threads
 (each its own connection) hand their slot on, task after task, until the queue is empty: the
 crawl's path between two requests of a slot, with no HTTP and no handler. Hand-offs per second,
-median of ``--repeat``, the databases alternating; every task is checked completed-by-hand-off
-once. pgbench's TPC-B on the same server, with as many clients, is the reference the ratio of
+median of ``--repeat``, the databases alternating, and the server's CPU per hand-off (the
+backends' CPU time from /proc: a server on this machine); every task is checked taken once and
+every slot given back. pgbench's TPC-B on the same server, with as many clients, is the reference the ratio of
 the two is set beside (how fast this server commits).
 """
 
@@ -30,16 +31,17 @@ from psycopg.conninfo import conninfo_to_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import proc_cpu
 from bench.queue_throughput import migrated_db, reset_stores, server_parser
 from tq_pipelines.queue.api import PlatformLimits, TaskQueue
 
 ROLE = "product_resync"
 WORKER = "bench-handoffs"
-SCHEMAS = {"0025": None, "before 0025": "0025"}
 
 
-def handoffs(url: str, slots: int, tasks: int) -> float:
-    """Hand-offs per second, ``slots`` threads handing their slots on until no task is left."""
+def handoffs(url: str, slots: int, tasks: int) -> tuple[float, float]:
+    """Hand-offs per second, ``slots`` threads handing their slots on until no task is left, and
+    the CPU milliseconds the server's backends spent on each (a local server's, from /proc)."""
     with psycopg.connect(url, autocommit=True) as conn:
         reset_stores(conn, tasks)
         conn.execute(
@@ -54,13 +56,22 @@ def handoffs(url: str, slots: int, tasks: int) -> float:
         assert len(held) == slots, f"claimed {len(held)} of {slots}"
         done = [0] * slots
         go = threading.Barrier(slots + 1)
+        with psycopg.connect(url, autocommit=True) as conn:
+            backends = [
+                pid
+                for (pid,) in conn.execute(
+                    "SELECT pid FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                ).fetchall()
+            ]
+        cpu_before = sum(proc_cpu(pid) or 0.0 for pid in backends)
 
         def hand_on(i: int) -> None:
             task = held[i]
             go.wait()
             while True:
-                # The task's work is done with its request: it completes after handing on, as a
-                # crawl's does (off the path measured here, so done in one statement at the end).
+                # Done with its request, the task passes the slot on (and would go on to store
+                # what it fetched and complete, off the path measured here: not done).
                 nxt = queue.platform_handoff(task)
                 done[i] += 1
                 if nxt is None:
@@ -75,6 +86,7 @@ def handoffs(url: str, slots: int, tasks: int) -> float:
         for t in threads:
             t.join()
         took = time.perf_counter() - began
+        server_ms = (sum(proc_cpu(pid) or 0.0 for pid in backends) - cpu_before) * 1000 / tasks
     with psycopg.connect(url, autocommit=True) as conn:
         [(claimed, in_flight)] = conn.execute(
             "SELECT (SELECT count(*) FROM worker_tasks WHERE worker_id = %s AND status = 'running'),"
@@ -83,7 +95,7 @@ def handoffs(url: str, slots: int, tasks: int) -> float:
         ).fetchall()
     # Every task was claimed once (by the claim or a hand-off) and each gave its slot back.
     assert claimed == tasks and in_flight == 0 and sum(done) == tasks, (claimed, in_flight, sum(done))
-    return tasks / took
+    return tasks / took, server_ms
 
 
 def pgbench_tps(server: str, clients: int, seconds: int) -> float:
@@ -107,27 +119,39 @@ def pgbench_tps(server: str, clients: int, seconds: int) -> float:
 
 def main() -> None:
     parser = server_parser(__doc__)
+    parser.add_argument("--before", default="0026", help="the migration the queue before is without")
     parser.add_argument("--slots", default="8,16", help="slots of the platform (threads), comma-separated")
     parser.add_argument("--tasks", type=int, default=6000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--pgbench-seconds", type=int, default=5)
     args = parser.parse_args()
+    schemas = {"now": None, f"before {args.before}": args.before}
     urls = {
-        name: migrated_db(args.url, "tq_bench_handoffs_" + str(i), before)
-        for i, (name, before) in enumerate(SCHEMAS.items())
+        name: migrated_db(args.url, f"tq_bench_handoffs_{i}", v)
+        for i, (name, v) in enumerate(schemas.items())
     }
-    print(f"{'slots':>5}  {'0025 /s':>9}  {'before /s':>9}  {'ratio':>5}  {'pgbench TPS':>11}")
+    head = (
+        f"{'slots':>5}  {'now /s':>8}  {'before /s':>9}  {'ratio':>5}  {'server ms, now':>14}  {'before':>6}"
+    )
+    print(head + f"  {'pgbench TPS':>11}")
     for slots in (int(x) for x in args.slots.split(",")):
-        rates: dict[str, list[float]] = {name: [] for name in urls}
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in urls}
         for i in range(args.repeat):
             order = list(urls) if i % 2 == 0 else list(reversed(urls))
             for name in order:
-                rates[name].append(handoffs(urls[name], slots, args.tasks))
+                runs[name].append(handoffs(urls[name], slots, args.tasks))
         tps = pgbench_tps(args.url, slots, args.pgbench_seconds) if args.pgbench_seconds else float("nan")
-        new, old = (statistics.median(rates[n]) for n in SCHEMAS)
-        print(f"{slots:>5}  {new:>9.0f}  {old:>9.0f}  {new / old:>5.2f}  {tps:>11.0f}", flush=True)
-        for name, xs in rates.items():
-            print(f"       {name}: " + ", ".join(f"{x:.0f}" for x in xs), flush=True)
+        (new, new_ms), (old, old_ms) = (
+            (statistics.median(r for r, _ in runs[n]), statistics.median(m for _, m in runs[n]))
+            for n in schemas
+        )
+        print(
+            f"{slots:>5}  {new:>8.0f}  {old:>9.0f}  {new / old:>5.2f}"
+            f"  {new_ms:>14.2f}  {old_ms:>6.2f}  {tps:>11.0f}",
+            flush=True,
+        )
+        for name, xs in runs.items():
+            print(f"       {name}: " + ", ".join(f"{r:.0f}/s {m:.2f} ms" for r, m in xs), flush=True)
 
 
 if __name__ == "__main__":

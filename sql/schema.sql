@@ -1234,17 +1234,24 @@ DECLARE
   v_platform VARCHAR;
 BEGIN
   PERFORM tq_slot_commit();  -- 0025
-  UPDATE worker_tasks t
-  SET send_at = NULL
+  SELECT t.role, t.worker_id, t.platform INTO v_role, v_worker, v_platform
+  FROM worker_tasks t
   WHERE t.id = p_task_id
     AND t.lease_hash = tq_lease_hash(p_lease)
     AND t.status IN ('claimed', 'running')
     AND t.send_at IS NOT NULL
-  RETURNING t.role, t.worker_id, t.platform INTO v_role, v_worker, v_platform;
-  IF NOT FOUND OR v_platform IS NULL OR v_worker IS NULL THEN
+  FOR UPDATE;
+  IF NOT FOUND THEN
     RETURN;
   END IF;
-  RETURN QUERY SELECT c.task, c.lease FROM tq_claim_next(v_role, v_worker, v_platform) c;
+  IF v_platform IS NOT NULL AND v_worker IS NOT NULL THEN
+    RETURN QUERY SELECT c.task, c.lease FROM tq_claim_next(v_role, v_worker, v_platform, p_task_id) c;
+    IF FOUND THEN
+      RETURN;  -- the slot went with the claim
+    END IF;
+  END IF;
+  -- Nothing to pass it to: the slot goes back.
+  UPDATE worker_tasks t SET send_at = NULL WHERE t.id = p_task_id;
 END;
 $$;
 
@@ -2316,15 +2323,16 @@ $$;
 
 
 --
--- Name: tq_claim_next(character varying, character varying, character varying); Type: FUNCTION; Schema: public; Owner: -
+-- Name: tq_claim_next(character varying, character varying, character varying, integer); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.tq_claim_next(p_role character varying, p_worker_id character varying, p_platform character varying) RETURNS TABLE(task public.worker_tasks, lease uuid)
+CREATE FUNCTION public.tq_claim_next(p_role character varying, p_worker_id character varying, p_platform character varying, p_handing_over integer) RETURNS TABLE(task public.worker_tasks, lease uuid)
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     AS $$
 DECLARE
   l tq_platforms;
+  v_passed INTEGER := CASE WHEN p_handing_over IS NULL THEN 0 ELSE 1 END;
   v_store_task INTEGER;
   v_store_key RECORD;
   v_floor RECORD;
@@ -2333,7 +2341,21 @@ DECLARE
   v_token UUID := gen_random_uuid();
 BEGIN
   SELECT * INTO l FROM tq_platforms p WHERE p.platform = p_platform FOR UPDATE;
-  IF NOT FOUND OR l.pauses > 0 OR tq_platform_quota(l) < 1 OR tq_worker_room(l, p_role, p_worker_id) < 1 THEN
+  IF NOT FOUND OR l.pauses > 0 THEN
+    RETURN;
+  END IF;
+  -- The slot handed over counts as given back already: the platform's (its quota) and the
+  -- worker's (its fair share, tq_worker_room without that task).
+  l.in_flight := greatest(l.in_flight - v_passed, 0);
+  IF tq_platform_quota(l) < 1
+     OR tq_fair_share(l.max_in_flight, p_role) <= (
+          SELECT count(*)
+          FROM worker_tasks t  -- idx_worker_tasks_holding
+          WHERE t.worker_id = p_worker_id
+            AND t.platform = l.platform
+            AND t.status IN ('claimed', 'running')
+            AND t.send_at IS NOT NULL
+            AND t.id IS DISTINCT FROM p_handing_over) THEN
     RETURN;
   END IF;
 
@@ -2398,20 +2420,26 @@ BEGIN
   SET tat = greatest(p.tat, now()) + make_interval(secs => 1 / p.requests_per_second),
       updated_at = now()
   WHERE p.platform = p_platform;
-  -- The statement triggers mark the store busy, re-derive its head and count the slot.
+  -- One statement moves the slot: the old task's send_at goes, the new task starts with its own.
+  -- Its triggers mark the store busy, re-derive its head, and count one slot out and one in.
   RETURN QUERY
-  UPDATE worker_tasks t
-  SET status = 'running',
-      worker_id = p_worker_id,
-      claimed_at = now(),
-      started_at = now(),
-      completed_at = NULL,
-      send_at = greatest(now(), greatest(l.tat, now())
-                                - make_interval(secs => tq_platform_tolerance(l.burst, l.requests_per_second))),
-      last_heartbeat_at = now(),
-      lease_hash = tq_lease_hash(v_token)
-  WHERE t.id = v_id
-  RETURNING t, v_token;
+  WITH moved AS (
+    UPDATE worker_tasks t
+    SET status = CASE WHEN t.id = v_id THEN 'running' ELSE t.status END,
+        worker_id = CASE WHEN t.id = v_id THEN p_worker_id ELSE t.worker_id END,
+        claimed_at = CASE WHEN t.id = v_id THEN now() ELSE t.claimed_at END,
+        started_at = CASE WHEN t.id = v_id THEN now() ELSE t.started_at END,
+        completed_at = CASE WHEN t.id = v_id THEN NULL ELSE t.completed_at END,
+        send_at = CASE WHEN t.id = v_id
+                       THEN greatest(now(), greatest(l.tat, now())
+                                     - make_interval(secs => tq_platform_tolerance(l.burst, l.requests_per_second)))
+                  END,
+        last_heartbeat_at = CASE WHEN t.id = v_id THEN now() ELSE t.last_heartbeat_at END,
+        lease_hash = CASE WHEN t.id = v_id THEN tq_lease_hash(v_token) ELSE t.lease_hash END
+    WHERE t.id = v_id OR t.id = p_handing_over
+    RETURNING t
+  )
+  SELECT m.t, v_token FROM moved m WHERE (m.t).id = v_id;
 END;
 $$;
 
@@ -3079,7 +3107,12 @@ BEGIN
     FROM unnest(p_platforms, p_deltas, p_task_ids, p_outcomes) AS x (platform, delta, task_id, outcome)
     GROUP BY x.platform
   ) c
-  WHERE l.platform = c.platform;
+  WHERE l.platform = c.platform
+    -- Nothing to write for a slot that only passed from one task to the next (0026).
+    AND (c.delta <> 0
+         OR (c.completed > 0 AND l.error_streak <> 0)
+         OR l.probe_task_id = ANY (c.released)
+         OR l.probe_task_id = ANY (c.answered));
 END;
 $$;
 

@@ -11,6 +11,7 @@ real HTTP servers log every request's arrival and departure.
   worker of another process cannot take the slot meanwhile.
 """
 
+import threading
 import time
 import uuid
 from collections import Counter
@@ -21,6 +22,7 @@ import psycopg
 import pytest
 
 from tests.dagster_helpers import failure_text, op_metadata
+from tests.helpers import assert_store_state_consistent, status_counts
 from tests.integration.test_crawl_dagster import add_simulated_stores, drain
 from tests.integration.test_crawl_politeness import (  # noqa: F401 (fixtures)
     PLATFORMS,
@@ -304,3 +306,66 @@ def test_slot_bookkeeping_commits_without_its_flush_unless_its_transaction_wrote
     assert conn.execute(
         "SELECT count(*) FROM v_tasks WHERE status = 'running' AND send_at IS NOT NULL"
     ).fetchone() == (1,)
+
+
+def test_hand_offs_from_many_connections_take_each_task_once_within_the_limits(
+    db_url: str, conn: psycopg.Connection, queue: TaskQueue
+):
+    """Six threads, each its own connection, two workers of three slots each, hand their slots
+    on until the platform's 300 tasks are taken (0026: one UPDATE moves a slot): each task is
+    taken once, the platform never counts more than its limit, nor a worker more than its
+    share, and every slot is back at the end."""
+    stores, max_in_flight = 300, 6
+    queue.sync_platform_limits(
+        [PlatformLimits("dutchie", max_in_flight=max_in_flight, requests_per_second=10_000)]
+    )
+    conn.execute(
+        "INSERT INTO dispensaries (name, menu_type) SELECT 's' || g, 'dutchie' FROM generate_series(1, %s) g",
+        (stores,),
+    )
+    conn.execute("SELECT enqueue_task_once(%s, d.id, 'dutchie', 0, NULL, NULL) FROM dispensaries d", (ROLE,))
+    sessions = [queue.open_session(w, ROLE, hostname="h", heartbeat_seconds=30) for w in ("a", "b")]
+    try:
+        held = [t for w in ("a", "b") for t in queue.claim_many(ROLE, w, max_in_flight, start=True)]
+        assert sorted(Counter(t.worker_id for t in held).values()) == [3, 3]
+        taken: list[list[int]] = [[t.id] for t in held]
+        stop = threading.Event()
+        over: list[tuple[object, ...]] = []
+
+        def watch() -> None:
+            with psycopg.connect(db_url, autocommit=True) as c:
+                while not stop.is_set():
+                    row = c.execute(
+                        "SELECT (SELECT in_flight FROM tq_platforms),"
+                        " (SELECT max(n) FROM (SELECT count(*) AS n FROM worker_tasks"
+                        "  WHERE send_at IS NOT NULL AND status = 'running' GROUP BY worker_id) w)"
+                    ).fetchone()
+                    if row is not None and (row[0] > max_in_flight or (row[1] or 0) > 3):
+                        over.append(row)
+
+        def hand_on(many: TaskQueue, i: int) -> None:
+            task = held[i]
+            while (nxt := many.platform_handoff(task)) is not None:
+                assert nxt.worker_id == task.worker_id
+                taken[i].append(nxt.id)
+                task = nxt
+
+        with TaskQueue.connect(db_url, min_size=max_in_flight, max_size=max_in_flight) as many:
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            threads = [threading.Thread(target=hand_on, args=(many, i)) for i in range(max_in_flight)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            stop.set()
+            watcher.join()
+    finally:
+        for s in sessions:
+            s.close()
+    ids = [i for chain in taken for i in chain]
+    assert len(ids) == len(set(ids)) == stores
+    assert over == []
+    assert conn.execute("SELECT in_flight FROM tq_platforms").fetchone() == (0,)
+    assert status_counts(conn) == {"running": stores}
+    assert_store_state_consistent(conn)
