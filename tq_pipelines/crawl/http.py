@@ -137,20 +137,35 @@ class PoliteClient:
     """GETs JSON under per-host limits; raises the worker's error classes for what went wrong."""
 
     def __init__(self, *, timeout_seconds: float = 10.0, user_agent: str = "tq_pipelines") -> None:
-        self.client = httpx.Client(
-            timeout=httpx.Timeout(timeout_seconds),
-            headers={"User-Agent": user_agent, "Accept": "application/json"},
-            # The pool must not be the bottleneck: the per-host limits are.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            # Followed in get_json, each hop under the limits.
-            follow_redirects=False,
-        )
+        self.timeout_seconds = timeout_seconds
+        self.user_agent = user_agent
+        # One httpx client, so one connection pool, per host: httpcore's pool serves all its
+        # requests under one lock and scans every connection it holds for each (twice a request),
+        # so one pool shared by the hosts made the handler threads queue on it.
+        self._clients: dict[str, httpx.Client] = {}
         self._hosts: dict[str, _Host] = {}
         self._limits: dict[str, HostLimits] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        self.client.close()
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    def _client(self, key: str) -> httpx.Client:
+        with self._lock:
+            client = self._clients.get(key)
+            if client is None:
+                client = self._clients[key] = httpx.Client(
+                    timeout=httpx.Timeout(self.timeout_seconds),
+                    headers={"User-Agent": self.user_agent, "Accept": "application/json"},
+                    # The pool must not be the bottleneck: the per-host limits are.
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                    # Followed in get_json, each hop under the limits.
+                    follow_redirects=False,
+                )
+            return client
 
     def __enter__(self) -> "PoliteClient":
         return self
@@ -217,7 +232,7 @@ class PoliteClient:
                     time.sleep(delay)
                 sent = time.monotonic()
                 try:
-                    return self.client.get(
+                    return self._client(key).get(
                         url, params=params, timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
                     ), host
                 except httpx.TimeoutException as exc:
