@@ -18,7 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from tq_pipelines.crawl import http as http_mod
-from tq_pipelines.crawl.http import HostLimits, _Host, host_key, retry_after_seconds
+from tq_pipelines.crawl.http import HostLimits, PoliteClient, _Host, host_key, retry_after_seconds
 from tq_pipelines.crawl.menu import MAX_PRODUCTS, MenuValidationError, menu_hash, normalise_menu
 from tq_pipelines.crawl.platforms import (
     CrawlServices,
@@ -671,3 +671,13 @@ def test_a_longest_pause_below_the_first_is_refused_in_words(tmp_path: Path):
         PlatformSettingsError, match=r"max_pause_seconds \(10.0\) is below pause_seconds \(60.0\)"
     ):
         load_platform_settings(path)
+
+
+def test_a_closed_polite_client_sends_nothing_and_opens_no_pool():
+    """One httpx client per host, made on first use: after close, a request is refused instead
+    of opening a pool that nothing would close."""
+    client = PoliteClient(timeout_seconds=1)
+    client.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        client.get_json("http://127.0.0.1:9/menu")
+    assert client._clients == {}

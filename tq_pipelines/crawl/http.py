@@ -143,18 +143,21 @@ class PoliteClient:
         # requests under one lock and scans every connection it holds for each (twice a request),
         # so one pool shared by the hosts made the handler threads queue on it.
         self._clients: dict[str, httpx.Client] = {}
+        self._closed = False
         self._hosts: dict[str, _Host] = {}
         self._limits: dict[str, HostLimits] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
         with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
+            clients, self._clients, self._closed = list(self._clients.values()), {}, True
         for client in clients:
             client.close()
 
     def _client(self, key: str) -> httpx.Client:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("this PoliteClient is closed")
             client = self._clients.get(key)
             if client is None:
                 client = self._clients[key] = httpx.Client(
