@@ -22,7 +22,7 @@ import psycopg
 import pytest
 
 from tests.dagster_helpers import failure_text, op_metadata
-from tests.helpers import assert_store_state_consistent, status_counts
+from tests.helpers import add_stores, assert_store_state_consistent, status_counts
 from tests.integration.test_crawl_dagster import add_simulated_stores, drain
 from tests.integration.test_crawl_politeness import (  # noqa: F401 (fixtures)
     PLATFORMS,
@@ -276,10 +276,7 @@ def test_slot_bookkeeping_commits_without_its_flush_unless_its_transaction_wrote
     """0025: a hand-off, a start or a release alone in its transaction does not wait for the WAL
     flush; called after the caller's own writes, it leaves that transaction's flush as it was."""
     queue.sync_platform_limits([PlatformLimits("dutchie", max_in_flight=2, requests_per_second=1000)])
-    for i in range(4):
-        [store] = conn.execute(
-            "INSERT INTO dispensaries (name, menu_type) VALUES (%s, 'dutchie') RETURNING id", (f"s{i}",)
-        ).fetchone()
+    for store in add_stores(conn, 4):
         queue.enqueue(ROLE, store, platform="dutchie")
     first, second = queue.claim_many(ROLE, "w", 2, start=True)
     calls = {
