@@ -1328,14 +1328,17 @@ CREATE FUNCTION public.platform_request(p_task_id integer, p_lease uuid, p_first
     AS $$
 DECLARE
   v_platform VARCHAR;
+  v_role VARCHAR;
+  v_worker VARCHAR;
   v_send_at TIMESTAMPTZ;
+  v_holds BOOLEAN;
   l tq_platforms;
   v_now TIMESTAMPTZ;
   v_base TIMESTAMPTZ;
   v_decision TEXT := 'go';
 BEGIN
   PERFORM tq_slot_commit();  -- 0025
-  SELECT t.platform, t.send_at INTO v_platform, v_send_at
+  SELECT t.platform, t.send_at, t.role, t.worker_id INTO v_platform, v_send_at, v_role, v_worker
   FROM worker_tasks t
   WHERE t.id = p_task_id
     AND t.lease_hash = tq_lease_hash(p_lease)
@@ -1344,6 +1347,7 @@ BEGIN
     RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION;
     RETURN;
   END IF;
+  v_holds := v_send_at IS NOT NULL;
 
   SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_platform;
   IF NOT FOUND THEN
@@ -1366,6 +1370,11 @@ BEGIN
     RETURN QUERY SELECT 'paused'::TEXT, l.pause_seconds;
     RETURN;
   END IF;
+  -- No slot, no start: a slot first, as a claim would take it (0027).
+  IF NOT v_holds AND (tq_platform_quota(l) < 1 OR tq_worker_room(l, v_role, v_worker) < 1) THEN
+    RETURN QUERY SELECT 'full'::TEXT, 0.25::DOUBLE PRECISION;
+    RETURN;
+  END IF;
   IF l.pauses > 0 THEN
     -- The probe asks the platform: its answer decides (platform_answered, platform_error).
     v_decision := 'probe';
@@ -1385,6 +1394,12 @@ BEGIN
   UPDATE tq_platforms p
   SET tat = v_base + make_interval(secs => 1 / p.requests_per_second)
   WHERE p.platform = v_platform;
+  IF NOT v_holds THEN
+    -- Counted by the triggers from here: the slot is the task's until it gives it back.
+    UPDATE worker_tasks t
+    SET send_at = greatest(v_base - make_interval(secs => tq_platform_tolerance(l.burst, l.requests_per_second)), v_now)
+    WHERE t.id = p_task_id;
+  END IF;
   RETURN QUERY SELECT
     v_decision,
     greatest(extract(EPOCH FROM v_base - v_now) - tq_platform_tolerance(l.burst, l.requests_per_second), 0)

@@ -857,3 +857,47 @@ def test_a_refused_menu_url_shows_no_part_of_its_user_info(worker: Worker, conn:
         ):
             refused_url(attacker, task, url, ["admin", "s3cr"])
             assert_unchanged(conn, before, f"save_entry_point({url!r})")
+
+
+def test_a_task_holding_no_slot_is_given_no_start_beyond_its_platforms_limit(
+    worker: Worker, conn: psycopg.Connection
+):
+    """A task's requests are counted by its slot. The attacker fills dutchie's 4 slots, gives one
+    back (platform_release) or passes it on (platform_handoff), and the freed slot is claimed
+    again: the platform is full. The tasks that gave their slots away are still the attacker's,
+    and ask for starts, first and further: each answer is 'full', no start is taken (tat as it
+    was) and the counters still say 4. Once a slot is free, a slotless task takes it with its
+    start, counted, and the platform is full again. Was: 'go', a fifth request in flight."""
+    with worker.connect() as attacker:
+        load_limits(conn)
+        for _ in range(7):
+            enqueue(attacker, conn, ROLE)
+        held = [claim(attacker, ROLE, "attacker", start=True) for _ in range(4)]
+        released, passer = held[0], held[1]
+        assert attacker.execute("SELECT platform_release(%s, %s)", released).fetchone() == (True,)
+        assert attacker.execute("SELECT count(*) FROM platform_handoff(%s, %s)", passer).fetchone() == (1,)
+        claim(attacker, ROLE, "attacker", start=True)
+        assert conn.execute(PLATFORM).fetchone()[0] == 4
+        before = snapshot(conn)
+        for task in (released, passer):
+            for first in (True, False):
+                decision, wait = attacker.execute(
+                    "SELECT decision, wait_seconds FROM platform_request(%s, %s, %s)", (*task, first)
+                ).fetchone()
+                assert decision == "full" and wait > 0, (task, first, decision)
+                assert_unchanged(conn, before, f"platform_request of a slotless task, first={first}")
+
+        # A slot comes back: the slotless task takes it, counted, and the next finds it full.
+        assert attacker.execute("SELECT platform_release(%s, %s)", held[2]).fetchone() == (True,)
+        assert attacker.execute(
+            "SELECT decision FROM platform_request(%s, %s, true)", released
+        ).fetchone() == ("go",)
+        assert conn.execute(PLATFORM).fetchone()[0] == 4
+        assert conn.execute(
+            "SELECT send_at IS NOT NULL FROM worker_tasks WHERE id = %s", (released[0],)
+        ).fetchone() == (True,)
+        assert attacker.execute("SELECT decision FROM platform_request(%s, %s, true)", passer).fetchone() == (
+            "full",
+        )
+        assert_platform_counters_consistent(conn)
+        assert_store_state_consistent(conn)

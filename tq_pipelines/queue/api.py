@@ -214,9 +214,10 @@ class PlatformLimits:
 class RequestDecision:
     """What the platform says to one request of a task: 'go' after ``wait_seconds``; 'probe'
     (the same, and the task is the probe of a half-open platform: report its answer); 'paused'
-    (give the task back for ``wait_seconds``); 'lost' (the task is no longer the worker's)."""
+    (give the task back for ``wait_seconds``); 'full' (the task holds no slot, having given its
+    own back, and none is free: give it back); 'lost' (the task is no longer the worker's)."""
 
-    decision: Literal["go", "probe", "paused", "lost"]
+    decision: Literal["go", "probe", "paused", "full", "lost"]
     wait_seconds: float
 
 

@@ -152,6 +152,8 @@ class PlatformPermit:
                 max(answer.wait_seconds, 1.0),
                 f"platform {self.platform} is paused for {answer.wait_seconds:.0f} s",
             )
+        if answer.decision == "full":
+            raise DeferTask(max(answer.wait_seconds, 1.0), f"platform {self.platform} has no free slot")
         return answered + answer.wait_seconds
 
     def release(self) -> None:
