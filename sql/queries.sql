@@ -249,6 +249,14 @@ SELECT platform_release(%(task_id)s, %(lease)s) AS released;
 -- The slot goes back and the next due task of the platform is claimed for the same worker (0016).
 SELECT (c.task).*, c.lease AS lease_token FROM platform_handoff(%(task_id)s, %(lease)s) c;
 
+-- name: platform_standby
+-- The next due task of the platform, claimed for the same worker without a slot (0028).
+SELECT (c.task).*, c.lease AS lease_token FROM platform_standby(%(task_id)s, %(lease)s) c;
+
+-- name: platform_pass
+-- The slot moves from a task to its worker's standby task of the platform, with a start (0028).
+SELECT decision, wait_seconds FROM platform_pass(%(task_id)s, %(lease)s, %(next_id)s, %(next_lease)s);
+
 -- name: platform_abandon
 SELECT platform_abandon(%(task_id)s, %(lease)s, %(busy_seconds)s::FLOAT8) AS held;
 

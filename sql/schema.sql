@@ -1264,6 +1264,94 @@ COMMENT ON FUNCTION public.platform_handoff(p_task_id integer, p_lease uuid) IS 
 
 
 --
+-- Name: platform_pass(integer, uuid, integer, uuid); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.platform_pass(p_task_id integer, p_lease uuid, p_next_id integer, p_next_lease uuid) RETURNS TABLE(decision text, wait_seconds double precision)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+  v_from worker_tasks;
+  v_to worker_tasks;
+  l tq_platforms;
+  v_now TIMESTAMPTZ;
+  v_base TIMESTAMPTZ;
+  v_start TIMESTAMPTZ;
+BEGIN
+  PERFORM tq_slot_commit();  -- 0025
+  -- Both rows locked in one statement, in id order: a heartbeat of the worker's tasks locks them too.
+  PERFORM 1
+  FROM worker_tasks t
+  WHERE t.id IN (p_task_id, p_next_id)
+  ORDER BY t.id
+  FOR UPDATE;
+  SELECT * INTO v_from
+  FROM worker_tasks t
+  WHERE t.id = p_task_id
+    AND t.lease_hash = tq_lease_hash(p_lease)
+    AND t.status IN ('claimed', 'running')
+    AND t.send_at IS NOT NULL;
+  IF NOT FOUND THEN
+    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION;
+    RETURN;
+  END IF;
+  SELECT * INTO v_to
+  FROM worker_tasks t
+  WHERE t.id = p_next_id
+    AND t.id <> p_task_id
+    AND t.lease_hash = tq_lease_hash(p_next_lease)
+    AND t.status IN ('claimed', 'running')
+    AND t.send_at IS NULL
+    AND t.worker_id = v_from.worker_id
+    AND t.platform = v_from.platform;
+  IF NOT FOUND THEN
+    -- Not the caller's, or not a standby of the same worker and platform: nothing moves.
+    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION;
+    RETURN;
+  END IF;
+
+  SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_from.platform FOR UPDATE;
+  IF NOT FOUND THEN
+    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION;
+    RETURN;
+  END IF;
+  -- The rules of a hand-off (tq_claim_next): the passed slot counts as given back first.
+  l.in_flight := greatest(l.in_flight - 1, 0);
+  IF l.pauses > 0 OR coalesce(l.paused_until > now(), false)
+     OR tq_platform_quota(l) < 1
+     OR tq_fair_share(l.max_in_flight, v_to.role) <= (
+          SELECT count(*)
+          FROM worker_tasks t  -- idx_worker_tasks_holding
+          WHERE t.worker_id = v_from.worker_id
+            AND t.platform = l.platform
+            AND t.status IN ('claimed', 'running')
+            AND t.send_at IS NOT NULL
+            AND t.id <> p_task_id) THEN
+    UPDATE worker_tasks t SET send_at = NULL WHERE t.id = p_task_id;
+    RETURN QUERY SELECT
+      CASE WHEN l.pauses > 0 OR coalesce(l.paused_until > now(), false) THEN 'paused' ELSE 'full' END,
+      0.25::DOUBLE PRECISION;
+    RETURN;
+  END IF;
+
+  -- The next start, reckoned from the clock under the row's lock (0019).
+  v_now := clock_timestamp();
+  v_base := greatest(l.tat, v_now);
+  v_start := greatest(v_now, v_base - make_interval(secs => tq_platform_tolerance(l.burst, l.requests_per_second)));
+  UPDATE tq_platforms p
+  SET tat = v_base + make_interval(secs => 1 / p.requests_per_second),
+      updated_at = now()
+  WHERE p.platform = l.platform;
+  UPDATE worker_tasks t
+  SET send_at = CASE WHEN t.id = p_next_id THEN v_start END
+  WHERE t.id IN (p_task_id, p_next_id);
+  RETURN QUERY SELECT 'go'::TEXT, greatest(extract(EPOCH FROM v_start - v_now), 0)::DOUBLE PRECISION;
+END;
+$$;
+
+
+--
 -- Name: platform_pause(character varying, double precision, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1430,6 +1518,73 @@ BEGIN
       tq_known_platforms_hint());
   END IF;
   RETURN true;
+END;
+$$;
+
+
+--
+-- Name: platform_standby(integer, uuid); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.platform_standby(p_task_id integer, p_lease uuid) RETURNS TABLE(task public.worker_tasks, lease uuid)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET enable_seqscan TO 'off'
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+  v_role VARCHAR;
+  v_worker VARCHAR;
+  v_platform VARCHAR;
+  v_id INTEGER;
+  v_token UUID := gen_random_uuid();
+BEGIN
+  SELECT t.role, t.worker_id, t.platform INTO v_role, v_worker, v_platform
+  FROM worker_tasks t
+  WHERE t.id = p_task_id
+    AND t.lease_hash = tq_lease_hash(p_lease)
+    AND t.status IN ('claimed', 'running')
+    AND t.send_at IS NOT NULL;
+  IF NOT FOUND OR v_worker IS NULL OR v_platform IS NULL
+     OR NOT EXISTS (
+       SELECT 1 FROM tq_platforms l
+       WHERE l.platform = v_platform AND l.pauses = 0 AND NOT coalesce(l.paused_until > now(), false)) THEN
+    RETURN;
+  END IF;
+  -- Counted under a lock of the worker and platform: two calls at once cannot both pass the bound.
+  PERFORM pg_advisory_xact_lock(hashtext('tq_standby/' || v_worker || '/' || v_platform));
+  IF (SELECT count(*)
+      FROM worker_tasks t  -- idx_worker_tasks_standby
+      WHERE t.worker_id = v_worker
+        AND t.platform = v_platform
+        AND t.status IN ('claimed', 'running')
+        AND t.send_at IS NULL)
+     >= 2 * (SELECT count(*)
+         FROM worker_tasks t  -- idx_worker_tasks_holding
+         WHERE t.worker_id = v_worker
+           AND t.platform = v_platform
+           AND t.status IN ('claimed', 'running')
+           AND t.send_at IS NOT NULL) THEN
+    RETURN;
+  END IF;
+  v_id := tq_pick_next(v_role, v_platform);
+  IF v_id IS NULL THEN
+    RETURN;
+  END IF;
+  RETURN QUERY
+  WITH claimed AS (
+    UPDATE worker_tasks t
+    SET status = 'running',
+        worker_id = v_worker,
+        claimed_at = now(),
+        started_at = now(),
+        completed_at = NULL,
+        send_at = NULL,
+        last_heartbeat_at = now(),
+        lease_hash = tq_lease_hash(v_token)
+    WHERE t.id = v_id
+    RETURNING t
+  )
+  SELECT c.t, v_token FROM claimed c;
 END;
 $$;
 
@@ -2348,10 +2503,6 @@ CREATE FUNCTION public.tq_claim_next(p_role character varying, p_worker_id chara
 DECLARE
   l tq_platforms;
   v_passed INTEGER := CASE WHEN p_handing_over IS NULL THEN 0 ELSE 1 END;
-  v_store_task INTEGER;
-  v_store_key RECORD;
-  v_floor RECORD;
-  v_loose RECORD;
   v_id INTEGER;
   v_token UUID := gen_random_uuid();
 BEGIN
@@ -2359,8 +2510,6 @@ BEGIN
   IF NOT FOUND OR l.pauses > 0 THEN
     RETURN;
   END IF;
-  -- The slot handed over counts as given back already: the platform's (its quota) and the
-  -- worker's (its fair share, tq_worker_room without that task).
   l.in_flight := greatest(l.in_flight - v_passed, 0);
   IF tq_platform_quota(l) < 1
      OR tq_fair_share(l.max_in_flight, p_role) <= (
@@ -2374,69 +2523,15 @@ BEGIN
     RETURN;
   END IF;
 
-  -- The best idle store: the priorities in use from the highest, each from its floor.
-  SELECT NULL::INTEGER AS priority, NULL::TIMESTAMPTZ AS due_at, NULL::INTEGER AS dispensary_id
-  INTO v_store_key;
-  FOR v_floor IN
-    SELECT f.priority, min(f.floor) AS floor
-    FROM worker_task_floors f
-    WHERE f.role = p_role AND f.platform = p_platform
-    GROUP BY f.priority
-    ORDER BY f.priority DESC
-  LOOP
-    SELECT h.priority, h.due_at, h.dispensary_id INTO v_store_key
-    FROM worker_task_heads h
-    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id + 0  -- + 0: not a merge key (0020)
-    WHERE h.role = p_role
-      AND h.platform = p_platform
-      AND h.priority = v_floor.priority
-      AND h.due_at >= v_floor.floor
-      AND h.due_at <= now()
-      AND s.active_task_id IS NULL
-    ORDER BY h.due_at, h.dispensary_id
-    LIMIT 1
-    FOR UPDATE OF s SKIP LOCKED;
-    EXIT WHEN FOUND;
-  END LOOP;
-
-  SELECT t.id, t.priority, t.due_at INTO v_loose
-  FROM worker_tasks t
-  WHERE t.role = p_role
-    AND coalesce(t.platform, '') = p_platform
-    AND t.status = 'pending'
-    AND t.dispensary_id IS NULL
-    AND t.due_at <= now()
-  ORDER BY t.priority DESC, t.due_at, t.id
-  LIMIT 1
-  FOR UPDATE OF t SKIP LOCKED;
-
-  IF v_store_key.dispensary_id IS NOT NULL
-     AND (v_loose.id IS NULL OR (v_store_key.priority, v_loose.due_at) >= (v_loose.priority, v_store_key.due_at)) THEN
-    SELECT t.id INTO v_store_task
-    FROM worker_tasks t
-    WHERE t.dispensary_id = v_store_key.dispensary_id
-      AND t.role = p_role
-      AND t.status = 'pending'
-      AND t.due_at <= now()
-      AND coalesce(t.platform, '') = p_platform
-    ORDER BY t.priority DESC, t.due_at, t.id
-    LIMIT 1
-    FOR UPDATE OF t SKIP LOCKED;
-    v_id := v_store_task;
-  ELSE
-    v_id := v_loose.id;
-  END IF;
+  v_id := tq_pick_next(p_role, p_platform);
   IF v_id IS NULL THEN
     RETURN;
   END IF;
 
-  -- The GCRA as in a claim of one: its start, and tat one interval further.
   UPDATE tq_platforms p
   SET tat = greatest(p.tat, now()) + make_interval(secs => 1 / p.requests_per_second),
       updated_at = now()
   WHERE p.platform = p_platform;
-  -- One statement moves the slot: the old task's send_at goes, the new task starts with its own.
-  -- Its triggers mark the store busy, re-derive its head, and count one slot out and one in.
   RETURN QUERY
   WITH moved AS (
     UPDATE worker_tasks t
@@ -2959,6 +3054,74 @@ BEGIN
   )
   UPDATE dispensaries SET crawl_enabled = false
   WHERE id = p_dispensary_id;
+END;
+$$;
+
+
+--
+-- Name: tq_pick_next(character varying, character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_pick_next(p_role character varying, p_platform character varying) RETURNS integer
+    LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    AS $$
+DECLARE
+  v_store_key RECORD;
+  v_floor RECORD;
+  v_loose RECORD;
+  v_id INTEGER;
+BEGIN
+  SELECT NULL::INTEGER AS priority, NULL::TIMESTAMPTZ AS due_at, NULL::INTEGER AS dispensary_id
+  INTO v_store_key;
+  FOR v_floor IN
+    SELECT f.priority, min(f.floor) AS floor
+    FROM worker_task_floors f
+    WHERE f.role = p_role AND f.platform = p_platform
+    GROUP BY f.priority
+    ORDER BY f.priority DESC
+  LOOP
+    SELECT h.priority, h.due_at, h.dispensary_id INTO v_store_key
+    FROM worker_task_heads h
+    JOIN worker_task_stores s ON s.dispensary_id = h.dispensary_id + 0  -- + 0: not a merge key (0020)
+    WHERE h.role = p_role
+      AND h.platform = p_platform
+      AND h.priority = v_floor.priority
+      AND h.due_at >= v_floor.floor
+      AND h.due_at <= now()
+      AND s.active_task_id IS NULL
+    ORDER BY h.due_at, h.dispensary_id
+    LIMIT 1
+    FOR UPDATE OF s SKIP LOCKED;
+    EXIT WHEN FOUND;
+  END LOOP;
+
+  SELECT t.id, t.priority, t.due_at INTO v_loose
+  FROM worker_tasks t
+  WHERE t.role = p_role
+    AND coalesce(t.platform, '') = p_platform
+    AND t.status = 'pending'
+    AND t.dispensary_id IS NULL
+    AND t.due_at <= now()
+  ORDER BY t.priority DESC, t.due_at, t.id
+  LIMIT 1
+  FOR UPDATE OF t SKIP LOCKED;
+
+  IF v_store_key.dispensary_id IS NOT NULL
+     AND (v_loose.id IS NULL OR (v_store_key.priority, v_loose.due_at) >= (v_loose.priority, v_store_key.due_at)) THEN
+    SELECT t.id INTO v_id
+    FROM worker_tasks t
+    WHERE t.dispensary_id = v_store_key.dispensary_id
+      AND t.role = p_role
+      AND t.status = 'pending'
+      AND t.due_at <= now()
+      AND coalesce(t.platform, '') = p_platform
+    ORDER BY t.priority DESC, t.due_at, t.id
+    LIMIT 1
+    FOR UPDATE OF t SKIP LOCKED;
+    RETURN v_id;
+  END IF;
+  RETURN v_loose.id;
 END;
 $$;
 
@@ -5584,7 +5747,9 @@ INSERT INTO public.tq_api (function_name, for_worker) VALUES
 	('platform_resume', false),
 	('platform_handoff', true),
 	('platform_abandon', true),
-	('archive_tasks', true);
+	('archive_tasks', true),
+	('platform_standby', true),
+	('platform_pass', true);
 
 
 --
@@ -5919,6 +6084,13 @@ CREATE INDEX idx_worker_tasks_loose_pending_platform ON public.worker_tasks USIN
 --
 
 CREATE UNIQUE INDEX idx_worker_tasks_resync_once ON public.worker_tasks USING btree (role, dispensary_id, resync_date) WHERE (resync_date IS NOT NULL);
+
+
+--
+-- Name: idx_worker_tasks_standby; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX idx_worker_tasks_standby ON public.worker_tasks USING btree (worker_id, platform) WHERE (((status)::text = ANY ((ARRAY['claimed'::character varying, 'running'::character varying])::text[])) AND (send_at IS NULL) AND (platform IS NOT NULL));
 
 
 --

@@ -901,3 +901,58 @@ def test_a_task_holding_no_slot_is_given_no_start_beyond_its_platforms_limit(
         )
         assert_platform_counters_consistent(conn)
         assert_store_state_consistent(conn)
+
+
+def test_a_pass_or_a_standby_needs_both_leases_and_one_worker(worker: Worker, conn: psycopg.Connection):
+    """0028: platform_pass moves a slot to a standby task, platform_standby claims one. The
+    attacker holds a slot of its own and knows the victim's ids. Passing its slot to the victim's
+    standby with a forged or missing token, passing the victim's slot, claiming a standby from the
+    victim's task, and passing to a slotless task of another worker id (with both real tokens):
+    each answers 'lost' or nothing, and every table reads back as it was. Hoarding standbys stops
+    at twice the slots held. The victim's own pass then moves its slot."""
+    with worker.connect() as victim, worker.connect() as attacker:
+        v = victim_task(victim, conn, ROLE)
+        for _ in range(6):
+            enqueue(attacker, conn, ROLE)
+        [(standby_id, standby_lease)] = victim.execute(
+            "SELECT (c.task).id, c.lease FROM platform_standby(%s, %s) c", (v.task_id, v.lease)
+        ).fetchall()
+        mine = claim(attacker, ROLE, "attacker")
+        other = claim(attacker, ROLE, "attacker-2")
+        assert attacker.execute("SELECT platform_release(%s, %s)", other).fetchone() == (True,)
+        before = snapshot(conn)
+        for frm, to in (
+            (mine, (standby_id, uuid.uuid4())),
+            (mine, (standby_id, None)),
+            (mine, (standby_id, v.stale)),
+            ((v.task_id, uuid.uuid4()), other),
+            (mine, other),
+        ):
+            assert attacker.execute(
+                "SELECT decision FROM platform_pass(%s, %s::UUID, %s, %s::UUID)", (*frm, *to)
+            ).fetchone() == ("lost",), (frm, to)
+            assert_unchanged(conn, before, f"platform_pass({frm[0]} -> {to[0]})")
+        for lease in (uuid.uuid4(), None, v.stale):
+            assert attacker.execute(
+                "SELECT count(*) FROM platform_standby(%s, %s::UUID)", (v.task_id, lease)
+            ).fetchone() == (0,)
+            assert_unchanged(conn, before, "platform_standby from the victim's task")
+
+        # Its own standbys: fewer than twice its one slot, counting the released task of another
+        # worker id not at all and its own slotless ones.
+        got = [
+            attacker.execute("SELECT count(*) FROM platform_standby(%s, %s)", mine).fetchone()[0]  # type: ignore[index]
+            for _ in range(4)
+        ]
+        assert got == [1, 1, 0, 0]
+        assert_platform_counters_consistent(conn)
+
+        assert victim.execute(
+            "SELECT decision FROM platform_pass(%s, %s, %s, %s)",
+            (v.task_id, v.lease, standby_id, standby_lease),
+        ).fetchone() == ("go",)
+        assert conn.execute(
+            "SELECT id FROM worker_tasks WHERE send_at IS NOT NULL AND worker_id = %s", (VICTIM,)
+        ).fetchall() == [(standby_id,)]
+        assert_platform_counters_consistent(conn)
+        assert_store_state_consistent(conn)

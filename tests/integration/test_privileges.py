@@ -107,6 +107,8 @@ INVOKER_FUNCTIONS = {
     "tq_upsert_listed_stores",
     # a hand-off's claim of one task, the holds after a timeout, fair shares (0016)
     "tq_claim_next",
+    # the claim's order of one platform, for tq_claim_next and platform_standby (0028)
+    "tq_pick_next",
     "tq_platform_held",
     "tq_fair_share",
     "tq_worker_room",

@@ -206,7 +206,8 @@ def drain_role_tasks(
         stats = worker.run()
     done = stats.completed + stats.failed + stats.retried
     context.log.info(
-        "%s: %s completed, %s retried, %s failed, %s deferred, %s lost in %.1f s",
+        "%s: %s completed, %s retried, %s failed, %s deferred, %s lost in %.1f s"
+        " (slots passed on: %s hand-offs, %s to standby tasks)",
         config.role,
         stats.completed,
         stats.retried,
@@ -214,6 +215,8 @@ def drain_role_tasks(
         stats.deferred,
         stats.lost,
         stats.drain_seconds,
+        stats.hand_offs,
+        stats.passes,
     )
     return dg.Output(
         None,
@@ -226,6 +229,10 @@ def drain_role_tasks(
             "failed": dg.MetadataValue.int(stats.failed),
             "deferred": dg.MetadataValue.int(stats.deferred),
             "lost": dg.MetadataValue.int(stats.lost),
+            # Platform slots passed on by handler threads, not the main loop (docs/QUEUE.md).
+            "hand_offs": dg.MetadataValue.int(stats.hand_offs),
+            "passes_to_standby": dg.MetadataValue.int(stats.passes),
+            "standby_claimed": dg.MetadataValue.int(stats.standbys),
             "concurrency": dg.MetadataValue.int(concurrency),
             "drain_seconds": dg.MetadataValue.float(round(stats.drain_seconds, 3)),
             "tasks_per_second": dg.MetadataValue.float(round(stats.tasks_per_second, 1)),

@@ -656,6 +656,26 @@ class TaskQueue:
             rows: list[Task] = cur.execute(query("platform_handoff"), lease.params).fetchall()
         return rows[0] if rows else None
 
+    def platform_standby(self, held: Held) -> Task | None:
+        """From a task holding a slot of its platform: claim the next due task of that platform
+        for the same worker, without a slot (a standby: it waits for :meth:`platform_pass`). At
+        most as many as the worker holds slots there; None when none is due, or the platform is
+        paused or has no limits."""
+        lease = _lease(held)
+        with self._cursor(task_row) as cur:
+            rows: list[Task] = cur.execute(query("platform_standby"), lease.params).fetchall()
+        return rows[0] if rows else None
+
+    def platform_pass(self, held: Held, standby: Held) -> RequestDecision:
+        """Move the slot of ``held`` (done with its requests) to ``standby``, a task of the same
+        worker and platform holding none: 'go' after ``wait_seconds`` (its first request's start).
+        'paused' or 'full' when the platform paused or the limits shrank meanwhile: the slot went
+        back alone. 'lost' when either task is not the caller's, or they do not match: nothing
+        moved."""
+        lease, nxt = _lease(held), _lease(standby)
+        row = self._one("platform_pass", {**lease.params, "next_id": nxt.task_id, "next_lease": nxt.token})
+        return RequestDecision(row["decision"], float(row["wait_seconds"]))
+
     def platform_abandon(self, held: Held, busy_seconds: float) -> bool:
         """The client gave up on the task's request, which the platform may serve for up to
         ``busy_seconds`` more: the task's slot stays taken until then, whatever becomes of the

@@ -24,7 +24,15 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from tq_pipelines.db.queries import query
-from tq_pipelines.queue.api import JSON, QueueInputError, Task, TaskQueue, WorkerSession, storable_text
+from tq_pipelines.queue.api import (
+    JSON,
+    QueueInputError,
+    RequestDecision,
+    Task,
+    TaskQueue,
+    WorkerSession,
+    storable_text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +44,12 @@ SHORT_RETRY_SECONDS = 0.25
 # send late (PlatformPermit.request); after this many late wakes in a row the task is deferred.
 LATE_START_SECONDS = 0.01
 MAX_LATE_STARTS = 4
+
+# Standby tasks (0028) a worker keeps per platform whose slots it passes on: claimed without a
+# slot and run up to their first request, so that a slot passed on is used at once. One that
+# waits this long for a slot leaves the line and asks for one of its own.
+STANDBY_PER_PLATFORM = 2
+STANDBY_WAIT_SECONDS = 5.0
 
 
 class PermanentTaskError(Exception):
@@ -64,6 +78,79 @@ class LeaseLostError(Exception):
     """The worker no longer owns the task; whatever the handler was about to write is dropped."""
 
 
+class StandbyLine:
+    """A worker's standby tasks, per platform: claimed without a slot (``platform_standby``), their
+    handlers waiting at their first request for a slot a finished task passes on
+    (``platform_pass``). Closed when the worker stops: no task waits for a slot after that."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._line: dict[str, list[PlatformPermit]] = {}
+        # Places promised to standbys being claimed: two top-ups at once claim no more than one.
+        self._reserved: dict[str, int] = {}
+        self._closed = False
+
+    def reserve(self, platform: str, most: int) -> int:
+        """Places for up to ``most`` more standbys of the platform, up to ``STANDBY_PER_PLATFORM``
+        in line or promised; each is then ``add``-ed or given back with ``unreserve``."""
+        with self._lock:
+            if self._closed:
+                return 0
+            held = len(self._line.get(platform, ())) + self._reserved.get(platform, 0)
+            n = max(0, min(most, STANDBY_PER_PLATFORM - held))
+            self._reserved[platform] = self._reserved.get(platform, 0) + n
+            return n
+
+    def unreserve(self, platform: str, n: int) -> None:
+        with self._lock:
+            self._reserved[platform] = self._reserved.get(platform, 0) - n
+
+    def add(self, permit: "PlatformPermit") -> bool:
+        """Into the line, in a place reserved; False once closed."""
+        with self._lock:
+            self._reserved[permit.platform] = self._reserved.get(permit.platform, 0) - 1
+            if self._closed:
+                return False
+            self._line.setdefault(permit.platform, []).append(permit)
+            return True
+
+    def take(self, platform: str) -> "PlatformPermit | None":
+        """Out of the line, to be passed a slot: one already waiting at its request first."""
+        with self._lock:
+            line = self._line.get(platform)
+            if not line:
+                return None
+            ready = next((p for p in line if p.waiting), line[0])
+            line.remove(ready)
+            return ready
+
+    def poke(self, platform: str) -> None:
+        """A slot of the platform came back with no pass (a task's outcome, a release): one
+        standby asks for a slot of its own now, instead of waiting out its time in line."""
+        permit = self.take(platform)
+        if permit is not None:
+            permit.passed(time.monotonic(), RequestDecision("full", 0.0))
+
+    def withdraw(self, permit: "PlatformPermit") -> bool:
+        """Out of the line on its own (waited too long, or done without a request); False when a
+        passer took it first: its answer is on its way."""
+        with self._lock:
+            line = self._line.get(permit.platform, [])
+            if permit in line:
+                line.remove(permit)
+                return True
+            return False
+
+    def close(self) -> None:
+        """No more standbys; the ones waiting give their tasks back untried."""
+        with self._lock:
+            self._closed = True
+            waiting = [p for line in self._line.values() for p in line]
+            self._line.clear()
+        for permit in waiting:
+            permit.passed(time.monotonic(), None)
+
+
 class PlatformPermit:
     """A task's requests to its platform, under the limits every worker shares (``tq_platforms``).
 
@@ -86,12 +173,19 @@ class PlatformPermit:
         queue: TaskQueue,
         task: Task,
         lease_lost: threading.Event,
-        on_release: Callable[[], None] | None = None,
+        on_release: Callable[[str], None] | None = None,
         hand_off: Callable[[Task], bool] | None = None,
+        line: StandbyLine | None = None,
     ) -> None:
         self.queue = queue
         self.on_release = on_release
         self.hand_off = hand_off
+        # A standby (0028): no slot yet; its first request waits in ``line`` for one passed on.
+        self.line = line
+        self.standby = line is not None
+        self.waiting = False
+        self._passed = threading.Event()
+        self._pass: tuple[float, RequestDecision | None] = (0.0, None)
         self.task = task
         self.platform = task.platform or ""
         self.lease_lost = lease_lost
@@ -114,7 +208,9 @@ class PlatformPermit:
                     f"task {self.task.id} gave its {self.platform} slot back and cannot send more requests"
                 )
             first = self.requests == 0
-            if first and self.first_start is not None:
+            if first and self.standby:
+                due = self._await_pass()
+            elif first and self.first_start is not None:
                 claimed, delay = self.first_start
                 due = claimed + delay
             else:
@@ -139,6 +235,37 @@ class PlatformPermit:
             self.requests += 1
             yield
 
+    def passed(self, asked: float, decision: RequestDecision | None) -> None:
+        """The answer to a standby: a slot passed on ('go', its start ``decision.wait_seconds``
+        after ``asked``), none (anything else: ask for one), or None: the worker is stopping."""
+        self._pass = (asked, decision)
+        self._passed.set()
+
+    def _await_pass(self) -> float:
+        """A standby's first request: wait for a slot passed on; after ``STANDBY_WAIT_SECONDS``
+        leave the line and ask for a slot of its own (within the limits, else 'full')."""
+        waited = time.monotonic()
+        self.waiting = True
+        try:
+            while not self._passed.wait(0.25):
+                gone = self.lease_lost.is_set()
+                if (gone or time.monotonic() - waited >= STANDBY_WAIT_SECONDS) and (
+                    self.line is None or self.line.withdraw(self)
+                ):
+                    if gone:
+                        raise LeaseLostError(f"lease on task {self.task.id} lost while waiting for a slot")
+                    self.standby = False
+                    return self._ask(True)
+        finally:
+            self.waiting = False
+        self.standby = False
+        asked, decision = self._pass
+        if decision is None:
+            raise DeferTask(0.0, f"worker stopping: task {self.task.id} had no {self.platform} slot yet")
+        if decision.decision != "go":
+            return self._ask(True)
+        return asked + decision.wait_seconds
+
     def _ask(self, first: bool) -> float:
         """Ask PostgreSQL for the request's start: its ``time.monotonic()``."""
         answer = self.queue.platform_request(self.task, first=first)
@@ -161,11 +288,17 @@ class PlatformPermit:
         with self._one_at_a_time:
             if not self.released:
                 self.released = True
+                if self.standby:
+                    # Never given a slot: out of the line, nothing to give back. (One a passer
+                    # took meanwhile goes back with the task's outcome.)
+                    if self.line is not None:
+                        self.line.withdraw(self)
+                    return
                 if self.hand_off is not None and self.hand_off(self.task):
                     return
                 self.queue.platform_release(self.task)
                 if self.on_release is not None:
-                    self.on_release()  # the worker may claim for the free slot now
+                    self.on_release(self.platform)  # the worker may use the free slot now
 
     def abandon(self, busy_seconds: float) -> None:
         """The client gave up on the request in flight (a timeout), which the platform may go on
@@ -288,6 +421,11 @@ class DrainStats:
     lost: int = 0
     deferred: int = 0
     claims: int = 0
+    # Slots passed on from handler threads: to a task claimed in the same call (hand-offs), or
+    # to a standby task waiting at its first request (passes); standby tasks claimed.
+    hand_offs: int = 0
+    passes: int = 0
+    standbys: int = 0
     handler_seconds: float = 0.0
     first_claim_at: float | None = None
     last_finish_at: float | None = None
@@ -404,11 +542,13 @@ class Worker:
         self._handed: list[tuple[Future[_Outcome], TaskContext]] = []
         self._slot_freed = threading.Event()
         self._deadline: float | None = None
+        self._line = StandbyLine()
 
     def stop(self) -> None:
         """Ask the worker to stop claiming. Its handlers go on, their leases kept alive, for up to
         ``stop_grace_seconds``; what is left then is given back, untried or fenced."""
         self._stop.set()
+        self._line.close()
         self._wake.set()
 
     def run(self) -> DrainStats:
@@ -427,6 +567,7 @@ class Worker:
         pool = ThreadPoolExecutor(self.concurrency, "tq-handler") if self.concurrency > 1 else None
         with self._lock:
             self._pool, self._busy, self._handed = pool, 0, []
+            self._line = StandbyLine()
         running: dict[Future[_Outcome], TaskContext] = {}
         # After a short claim, claim again only once a slot came back without a hand-off (a
         # task ended holding its slot, or gave it back with no thread free to hand it to), or
@@ -445,6 +586,8 @@ class Worker:
                 budget_left = (
                     self.time_budget_seconds is None or time.monotonic() - started < self.time_budget_seconds
                 )
+                if not budget_left:
+                    self._line.close()  # out of time: no task waits for a slot
                 self._take_handed(running)
                 if short and (
                     self._slot_freed.is_set() or time.monotonic() - short_at >= SHORT_RETRY_SECONDS
@@ -542,7 +685,8 @@ class Worker:
         running then is given back (its handler's later writes are fenced off); heartbeats stop
         last, then the worker goes offline."""
         try:
-            # _stop is set: no hand-off adds a task after this.
+            # _stop is set: no hand-off adds a task after this, and no standby waits.
+            self._line.close()
             self._take_handed(running)
             if running:
                 finished, left = wait(running, timeout=self.stop_grace_seconds)
@@ -611,7 +755,11 @@ class Worker:
                 self.stats.claimed += len(tasks)
         return tasks
 
-    def _contexts(self, tasks: list[Task], claimed_at: float | None = None) -> list[TaskContext]:
+    def _contexts(
+        self, tasks: list[Task], claimed_at: float | None = None, *, standby: bool = False
+    ) -> list[TaskContext]:
+        """The tasks' contexts, registered for heartbeats. A task the claim gave a slot gets its
+        platform's permit; a ``standby`` one (claimed without a slot) a permit that waits for one."""
         contexts = []
         hand_off = self._hand_off if self._pool is not None else None
         for t in tasks:
@@ -623,15 +771,20 @@ class Worker:
                 services=self.services,
                 claimed_at=self._claim_asked_at if claimed_at is None else claimed_at,
             )
-            if t.send_at is not None:  # the claim reserved its platform's start: a limited platform
-                ctx.permit = PlatformPermit(self.queue, t, ctx.lease_lost, self._slot_given_back, hand_off)
+            if t.send_at is not None or standby:  # the claim reserved its platform's start, or will
+                line = self._line if standby else None
+                ctx.permit = PlatformPermit(
+                    self.queue, t, ctx.lease_lost, self._slot_given_back, hand_off, line
+                )
             contexts.append(ctx)
         with self._lock:
             self._in_flight.update((c.task.id, c) for c in contexts)
         return contexts
 
-    def _slot_given_back(self) -> None:
-        """A slot went back without a hand-off: the main loop may claim for it now."""
+    def _slot_given_back(self, platform: str) -> None:
+        """A slot went back without a hand-off: a standby of the platform may take it, or the
+        main loop claim for it."""
+        self._line.poke(platform)
         self._slot_freed.set()
         self._wake.set()
 
@@ -672,20 +825,42 @@ class Worker:
         running.update(handed)
 
     def _hand_off(self, task: Task) -> bool:
-        """From a handler thread done with its platform's requests: give the slot back and start
-        the next due task of the platform in a free thread, in one call (``platform_handoff``),
-        so that a freed slot does not wait for the main loop. False, doing nothing, when no
-        thread is free or the worker is stopping or out of time: the slot is then released."""
+        """From a handler thread done with its platform's requests: pass the slot on without
+        waiting for the main loop. To a standby task of the platform if one is in line (one short
+        call, ``platform_pass``, and its thread sends at once); else to the next due task, claimed
+        and started in a free thread in the same call (``platform_handoff``). Then the line is
+        topped up. False, doing nothing, when the worker is stopping or out of time, or no thread
+        is free for a hand-off: the slot is then released."""
         with self._lock:
             if (
                 self._pool is None
                 or self._stop.is_set()
                 or (self._deadline is not None and time.monotonic() >= self._deadline)
-                or self._busy >= self.concurrency
             ):
                 return False
-            self._busy += 1  # the next task's thread, taken before it is claimed
+            standby = self._line.take(task.platform or "")
+            if standby is None:
+                if self._busy >= self.concurrency:
+                    return False
+                self._busy += 1  # the next task's thread, taken before it is claimed
         asked = time.monotonic()
+        if standby is not None:
+            decision: RequestDecision | None = RequestDecision("full", 0.0)
+            try:
+                decision = self.queue.platform_pass(task, standby.task)
+            finally:
+                standby.passed(asked, decision)  # on an error too: the standby asks on its own
+            if decision.decision == "lost":
+                return False  # nothing moved: the slot, if still ours, goes back
+            if decision.decision == "go":
+                with self._lock:
+                    self.stats.passes += 1
+                self._top_up(standby.task)
+            else:
+                # It went back alone (paused, or the limits shrank): the main loop may claim.
+                self._slot_freed.set()
+                self._wake.set()
+            return True
         try:
             nxt = self.queue.platform_handoff(task)
         except BaseException:
@@ -699,22 +874,60 @@ class Worker:
         [ctx] = self._contexts([nxt], claimed_at=asked)
         if ctx.permit is not None and nxt.send_at is not None and nxt.claimed_at is not None:
             ctx.permit.first_start = (asked, max(0.0, (nxt.send_at - nxt.claimed_at).total_seconds()))
+        if self._start_handed(ctx):
+            with self._lock:
+                self.stats.hand_offs += 1
+            self._top_up(nxt)
+        return True
+
+    def _start_handed(self, ctx: TaskContext) -> bool:
+        """Run a task a handler thread claimed (its thread taken already), unless the worker began
+        stopping meanwhile: the task then goes back untried."""
         with self._lock:
             self.stats.claimed += 1
             if self._stop.is_set() or self._pool is None:
-                # Stopping began during the call: the task goes back untried.
                 self._busy -= 1
-                self._in_flight.pop(nxt.id, None)
+                self._in_flight.pop(ctx.task.id, None)
                 give_back = True
             else:
                 give_back = False
                 future = self._pool.submit(self._run_one, ctx)
                 future.add_done_callback(self._on_done(ctx))
                 self._handed.append((future, ctx))
-        if give_back and self.queue.defer(nxt, 0):
+        if give_back and self.queue.defer(ctx.task, 0):
             with self._lock:
                 self.stats.deferred += 1
-        return True
+        return not give_back
+
+    def _top_up(self, holder: Task) -> None:
+        """Keep ``STANDBY_PER_PLATFORM`` standby tasks in line for the platform of ``holder`` (a
+        task of this worker holding one of its slots), in free threads."""
+        platform = holder.platform or ""
+        with self._lock:
+            if self._stop.is_set() or self._pool is None:
+                return
+            want = self._line.reserve(platform, self.concurrency - self._busy)
+            if want <= 0:
+                return
+            self._busy += want
+        started = 0
+        try:
+            for _ in range(want):
+                task = self.queue.platform_standby(holder)
+                if task is None:
+                    break
+                [ctx] = self._contexts([task], claimed_at=time.monotonic(), standby=True)
+                assert ctx.permit is not None
+                started += 1
+                with self._lock:
+                    self.stats.standbys += 1
+                if not self._line.add(ctx.permit):
+                    ctx.permit.passed(time.monotonic(), None)  # closed meanwhile: given back
+                self._start_handed(ctx)
+        finally:
+            self._line.unreserve(platform, want - started)
+            with self._lock:
+                self._busy -= want - started
 
     def _run_one(self, ctx: TaskContext) -> _Outcome:
         try:
@@ -819,6 +1032,10 @@ class Worker:
                     self.log.warning("task %s failed: %s", o.ctx.task.id, o.error)
                 else:
                     self.stats.lost += 1
+        for o in outcomes:
+            if o.ctx.permit is not None and not o.ctx.permit.released and not o.ctx.permit.standby:
+                # Its slot went back with its outcome, just written: a standby may take it.
+                self._line.poke(o.ctx.permit.platform)
         self.stats.last_finish_at = time.monotonic()
 
     def _fail(self, o: _Outcome) -> Any:
