@@ -1320,14 +1320,7 @@ BEGIN
   l.in_flight := greatest(l.in_flight - 1, 0);
   IF l.pauses > 0 OR coalesce(l.paused_until > now(), false)
      OR tq_platform_quota(l) < 1
-     OR tq_fair_share(l.max_in_flight, v_to.role) <= (
-          SELECT count(*)
-          FROM worker_tasks t  -- idx_worker_tasks_holding
-          WHERE t.worker_id = v_from.worker_id
-            AND t.platform = l.platform
-            AND t.status IN ('claimed', 'running')
-            AND t.send_at IS NOT NULL
-            AND t.id <> p_task_id) THEN
+     OR tq_worker_room(l, v_to.role, v_from.worker_id, p_task_id) < 1 THEN
     UPDATE worker_tasks t SET send_at = NULL WHERE t.id = p_task_id;
     RETURN QUERY SELECT
       CASE WHEN l.pauses > 0 OR coalesce(l.paused_until > now(), false) THEN 'paused' ELSE 'full' END,
@@ -1558,12 +1551,7 @@ BEGIN
         AND t.platform = v_platform
         AND t.status IN ('claimed', 'running')
         AND t.send_at IS NULL)
-     >= 2 * (SELECT count(*)
-         FROM worker_tasks t  -- idx_worker_tasks_holding
-         WHERE t.worker_id = v_worker
-           AND t.platform = v_platform
-           AND t.status IN ('claimed', 'running')
-           AND t.send_at IS NOT NULL) THEN
+     >= 2 * tq_worker_slots(v_worker, v_platform, NULL) THEN
     RETURN;
   END IF;
   v_id := tq_pick_next(v_role, v_platform);
@@ -2511,15 +2499,7 @@ BEGIN
     RETURN;
   END IF;
   l.in_flight := greatest(l.in_flight - v_passed, 0);
-  IF tq_platform_quota(l) < 1
-     OR tq_fair_share(l.max_in_flight, p_role) <= (
-          SELECT count(*)
-          FROM worker_tasks t  -- idx_worker_tasks_holding
-          WHERE t.worker_id = p_worker_id
-            AND t.platform = l.platform
-            AND t.status IN ('claimed', 'running')
-            AND t.send_at IS NOT NULL
-            AND t.id IS DISTINCT FROM p_handing_over) THEN
+  IF tq_platform_quota(l) < 1 OR tq_worker_room(l, p_role, p_worker_id, p_handing_over) < 1 THEN
     RETURN;
   END IF;
 
@@ -4707,21 +4687,30 @@ $_$;
 
 
 --
--- Name: tq_worker_room(public.tq_platforms, character varying, character varying); Type: FUNCTION; Schema: public; Owner: -
+-- Name: tq_worker_room(public.tq_platforms, character varying, character varying, integer); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.tq_worker_room(l public.tq_platforms, p_role character varying, p_worker_id character varying) RETURNS integer
-    LANGUAGE plpgsql STABLE
+CREATE FUNCTION public.tq_worker_room(l public.tq_platforms, p_role character varying, p_worker_id character varying, p_except integer DEFAULT NULL::integer) RETURNS integer
+    LANGUAGE sql STABLE
     AS $$
-BEGIN
-  RETURN greatest(0, tq_fair_share(l.max_in_flight, p_role) - (
-    SELECT count(*)::INTEGER
-    FROM worker_tasks t  -- idx_worker_tasks_holding
-    WHERE t.worker_id = p_worker_id
-      AND t.platform = l.platform
-      AND t.status IN ('claimed', 'running')
-      AND t.send_at IS NOT NULL));
-END;
+  SELECT greatest(0, tq_fair_share(l.max_in_flight, p_role) - tq_worker_slots(p_worker_id, l.platform, p_except));
+$$;
+
+
+--
+-- Name: tq_worker_slots(character varying, character varying, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_worker_slots(p_worker_id character varying, p_platform character varying, p_except integer) RETURNS integer
+    LANGUAGE sql STABLE
+    AS $$
+  SELECT count(*)::INTEGER
+  FROM worker_tasks t  -- idx_worker_tasks_holding
+  WHERE t.worker_id = p_worker_id
+    AND t.platform = p_platform
+    AND t.status IN ('claimed', 'running')
+    AND t.send_at IS NOT NULL
+    AND t.id IS DISTINCT FROM p_except;
 $$;
 
 

@@ -23,13 +23,35 @@
 --   workers), the first's slot is given back alone: 'paused' or 'full'.
 -- A standby task with no slot passed to it asks platform_request, which gives it a slot only
 -- within the limits (0027). The claim's order of a platform is one function now, tq_pick_next,
--- for tq_claim_next (hand-offs, claims) and platform_standby.
+-- for tq_claim_next (hand-offs) and platform_standby; and the slots a worker holds one,
+-- tq_worker_slots, for tq_worker_room (claims, hand-offs, passes) and platform_standby.
 --
 -- Safe to run twice.
 
 -- The worker's tasks of a platform with no slot: platform_standby's count.
 CREATE INDEX IF NOT EXISTS idx_worker_tasks_standby ON worker_tasks (worker_id, platform)
 WHERE status IN ('claimed', 'running') AND send_at IS NULL AND platform IS NOT NULL;
+
+-- The slots a worker holds on a platform, leaving out one task (a hand-off's or a pass's, whose
+-- slot counts as given back): the fair share's count for claims, hand-offs, passes and standbys.
+CREATE OR REPLACE FUNCTION tq_worker_slots(p_worker_id VARCHAR, p_platform VARCHAR, p_except INTEGER)
+RETURNS INTEGER AS $$
+  SELECT count(*)::INTEGER
+  FROM worker_tasks t  -- idx_worker_tasks_holding
+  WHERE t.worker_id = p_worker_id
+    AND t.platform = p_platform
+    AND t.status IN ('claimed', 'running')
+    AND t.send_at IS NOT NULL
+    AND t.id IS DISTINCT FROM p_except;
+$$ LANGUAGE sql STABLE;
+
+-- The room a worker's fair share leaves it on a platform, ``p_except``'s slot given back.
+DROP FUNCTION IF EXISTS tq_worker_room(tq_platforms, VARCHAR, VARCHAR);
+CREATE OR REPLACE FUNCTION tq_worker_room(
+  l tq_platforms, p_role VARCHAR, p_worker_id VARCHAR, p_except INTEGER DEFAULT NULL
+) RETURNS INTEGER AS $$
+  SELECT greatest(0, tq_fair_share(l.max_in_flight, p_role) - tq_worker_slots(p_worker_id, l.platform, p_except));
+$$ LANGUAGE sql STABLE;
 
 -- The next due task of a role on a platform, in the order of every claim (0016, 0017, 0024):
 -- its row and its store's locked, SKIP LOCKED. NULL when none.
@@ -108,15 +130,7 @@ BEGIN
     RETURN;
   END IF;
   l.in_flight := greatest(l.in_flight - v_passed, 0);
-  IF tq_platform_quota(l) < 1
-     OR tq_fair_share(l.max_in_flight, p_role) <= (
-          SELECT count(*)
-          FROM worker_tasks t  -- idx_worker_tasks_holding
-          WHERE t.worker_id = p_worker_id
-            AND t.platform = l.platform
-            AND t.status IN ('claimed', 'running')
-            AND t.send_at IS NOT NULL
-            AND t.id IS DISTINCT FROM p_handing_over) THEN
+  IF tq_platform_quota(l) < 1 OR tq_worker_room(l, p_role, p_worker_id, p_handing_over) < 1 THEN
     RETURN;
   END IF;
 
@@ -179,12 +193,7 @@ BEGIN
         AND t.platform = v_platform
         AND t.status IN ('claimed', 'running')
         AND t.send_at IS NULL)
-     >= 2 * (SELECT count(*)
-         FROM worker_tasks t  -- idx_worker_tasks_holding
-         WHERE t.worker_id = v_worker
-           AND t.platform = v_platform
-           AND t.status IN ('claimed', 'running')
-           AND t.send_at IS NOT NULL) THEN
+     >= 2 * tq_worker_slots(v_worker, v_platform, NULL) THEN
     RETURN;
   END IF;
   v_id := tq_pick_next(v_role, v_platform);
@@ -260,14 +269,7 @@ BEGIN
   l.in_flight := greatest(l.in_flight - 1, 0);
   IF l.pauses > 0 OR coalesce(l.paused_until > now(), false)
      OR tq_platform_quota(l) < 1
-     OR tq_fair_share(l.max_in_flight, v_to.role) <= (
-          SELECT count(*)
-          FROM worker_tasks t  -- idx_worker_tasks_holding
-          WHERE t.worker_id = v_from.worker_id
-            AND t.platform = l.platform
-            AND t.status IN ('claimed', 'running')
-            AND t.send_at IS NOT NULL
-            AND t.id <> p_task_id) THEN
+     OR tq_worker_room(l, v_to.role, v_from.worker_id, p_task_id) < 1 THEN
     UPDATE worker_tasks t SET send_at = NULL WHERE t.id = p_task_id;
     RETURN QUERY SELECT
       CASE WHEN l.pauses > 0 OR coalesce(l.paused_until > now(), false) THEN 'paused' ELSE 'full' END,

@@ -109,6 +109,7 @@ INVOKER_FUNCTIONS = {
     "tq_claim_next",
     # the claim's order of one platform, for tq_claim_next and platform_standby (0028)
     "tq_pick_next",
+    "tq_worker_slots",
     "tq_platform_held",
     "tq_fair_share",
     "tq_worker_room",
