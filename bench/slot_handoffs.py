@@ -1,7 +1,7 @@
 """Slot hand-offs on one platform: the queue as it is against the queue before a migration, in one run.
 
     python bench/slot_handoffs.py [--url URL] [--before 0026] [--slots 8,16] [--tasks 6000]
-                                  [--repeat 3] [--pgbench-seconds 5]
+                                  [--repeat 3] [--pgbench-seconds 5] [--pass]
 
 Every hand-off (``platform_handoff``: the slot goes back and the platform's next task is
 claimed with it) locks its platform's row in ``tq_platforms``, so the hand-offs of a platform
@@ -19,6 +19,7 @@ every slot given back. pgbench's TPC-B on the same server, with as many clients,
 the two is set beside (how fast this server commits).
 """
 
+import queue as queue_module
 import statistics
 import subprocess
 import sys
@@ -33,15 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu import proc_cpu
 from bench.queue_throughput import migrated_db, reset_stores, server_parser
-from tq_pipelines.queue.api import PlatformLimits, TaskQueue
+from tq_pipelines.queue.api import PlatformLimits, Task, TaskQueue
 
 ROLE = "product_resync"
 WORKER = "bench-handoffs"
 
 
-def handoffs(url: str, slots: int, tasks: int) -> tuple[float, float]:
+def handoffs(url: str, slots: int, tasks: int, passes: bool = False) -> tuple[float, float]:
     """Hand-offs per second, ``slots`` threads handing their slots on until no task is left, and
-    the CPU milliseconds the server's backends spent on each (a local server's, from /proc)."""
+    the CPU milliseconds the server's backends spent on each (a local server's, from /proc).
+    With ``passes``, the drain's path since 0028: each thread passes its slot to a standby task,
+    which claims the next standby in the same statement (``platform_pass``)."""
     with psycopg.connect(url, autocommit=True) as conn:
         reset_stores(conn, tasks)
         conn.execute(
@@ -66,6 +69,33 @@ def handoffs(url: str, slots: int, tasks: int) -> tuple[float, float]:
             ]
         cpu_before = sum(proc_cpu(pid) or 0.0 for pid in backends)
 
+        # A task that passed its slot on completes, as in a drain, on a connection of its own
+        # (its CPU not counted): standbys are bounded by the worker's tasks without a slot.
+        finished: queue_module.Queue[Task | None] = queue_module.Queue()
+
+        completed = [0]
+
+        def complete() -> None:
+            with TaskQueue.connect(url, min_size=1, max_size=1) as own:
+                while (task := finished.get()) is not None:
+                    completed[0] += own.complete(task, None)
+
+        def pass_on(i: int) -> None:
+            task = held[i]
+            standby = queue.platform_standby(task)
+            go.wait()
+            while standby is not None:
+                decision, replacement = queue.platform_pass(task, standby, replace=True)
+                assert decision.decision == "go"
+                finished.put(task)
+                done[i] += 1
+                task, standby = standby, replacement
+            queue.platform_release(task)
+            done[i] += 1
+
+        completer = threading.Thread(target=complete)
+        completer.start()
+
         def hand_on(i: int) -> None:
             task = held[i]
             go.wait()
@@ -78,7 +108,7 @@ def handoffs(url: str, slots: int, tasks: int) -> tuple[float, float]:
                     return
                 task = nxt
 
-        threads = [threading.Thread(target=hand_on, args=(i,)) for i in range(slots)]
+        threads = [threading.Thread(target=pass_on if passes else hand_on, args=(i,)) for i in range(slots)]
         for t in threads:
             t.start()
         go.wait()
@@ -87,12 +117,15 @@ def handoffs(url: str, slots: int, tasks: int) -> tuple[float, float]:
             t.join()
         took = time.perf_counter() - began
         server_ms = (sum(proc_cpu(pid) or 0.0 for pid in backends) - cpu_before) * 1000 / tasks
+        finished.put(None)
+        completer.join()
     with psycopg.connect(url, autocommit=True) as conn:
         [(claimed, in_flight)] = conn.execute(
             "SELECT (SELECT count(*) FROM worker_tasks WHERE worker_id = %s AND status = 'running'),"
             " (SELECT in_flight FROM tq_platforms WHERE platform = 'dutchie')",
             (WORKER,),
         ).fetchall()
+    claimed += completed[0]
     # Every task was claimed once (by the claim or a hand-off) and each gave its slot back.
     assert claimed == tasks and in_flight == 0 and sum(done) == tasks, (claimed, in_flight, sum(done))
     return tasks / took, server_ms
@@ -124,6 +157,12 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=6000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--pgbench-seconds", type=int, default=5)
+    parser.add_argument(
+        "--pass",
+        dest="passes",
+        action="store_true",
+        help="the queue now passes slots to standby tasks (0028), the queue before hands them off",
+    )
     args = parser.parse_args()
     schemas = {"now": None, f"before {args.before}": args.before}
     urls = {
@@ -139,7 +178,7 @@ def main() -> None:
         for i in range(args.repeat):
             order = list(urls) if i % 2 == 0 else list(reversed(urls))
             for name in order:
-                runs[name].append(handoffs(urls[name], slots, args.tasks))
+                runs[name].append(handoffs(urls[name], slots, args.tasks, args.passes and name == "now"))
         tps = pgbench_tps(args.url, slots, args.pgbench_seconds) if args.pgbench_seconds else float("nan")
         (new, new_ms), (old, old_ms) = (
             (statistics.median(r for r, _ in runs[n]), statistics.median(m for _, m in runs[n]))

@@ -254,8 +254,10 @@ SELECT (c.task).*, c.lease AS lease_token FROM platform_handoff(%(task_id)s, %(l
 SELECT (c.task).*, c.lease AS lease_token FROM platform_standby(%(task_id)s, %(lease)s) c;
 
 -- name: platform_pass
--- The slot moves from a task to its worker's standby task of the platform, with a start (0028).
-SELECT decision, wait_seconds FROM platform_pass(%(task_id)s, %(lease)s, %(next_id)s, %(next_lease)s);
+-- The slot moves from a task to its worker's standby task of the platform, with a start, and
+-- with replace the next due task is claimed as a standby in its place (0028).
+SELECT c.decision, c.wait_seconds, (c.task).*, c.lease AS lease_token
+FROM platform_pass(%(task_id)s, %(lease)s, %(next_id)s, %(next_lease)s, %(replace)s) c;
 
 -- name: platform_abandon
 SELECT platform_abandon(%(task_id)s, %(lease)s, %(busy_seconds)s::FLOAT8) AS held;

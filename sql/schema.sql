@@ -1264,17 +1264,20 @@ COMMENT ON FUNCTION public.platform_handoff(p_task_id integer, p_lease uuid) IS 
 
 
 --
--- Name: platform_pass(integer, uuid, integer, uuid); Type: FUNCTION; Schema: public; Owner: -
+-- Name: platform_pass(integer, uuid, integer, uuid, boolean); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.platform_pass(p_task_id integer, p_lease uuid, p_next_id integer, p_next_lease uuid) RETURNS TABLE(decision text, wait_seconds double precision)
+CREATE FUNCTION public.platform_pass(p_task_id integer, p_lease uuid, p_next_id integer, p_next_lease uuid, p_replace boolean) RETURNS TABLE(decision text, wait_seconds double precision, task public.worker_tasks, lease uuid)
     LANGUAGE plpgsql SECURITY DEFINER
+    SET enable_seqscan TO 'off'
     SET search_path TO 'public', 'pg_temp'
     AS $$
 DECLARE
   v_from worker_tasks;
   v_to worker_tasks;
   l tq_platforms;
+  v_new INTEGER;
+  v_token UUID := gen_random_uuid();
   v_now TIMESTAMPTZ;
   v_base TIMESTAMPTZ;
   v_start TIMESTAMPTZ;
@@ -1292,30 +1295,33 @@ BEGIN
     AND t.lease_hash = tq_lease_hash(p_lease)
     AND t.status IN ('claimed', 'running')
     AND t.send_at IS NOT NULL;
-  IF NOT FOUND THEN
-    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION;
-    RETURN;
+  IF FOUND THEN
+    SELECT * INTO v_to
+    FROM worker_tasks t
+    WHERE t.id = p_next_id
+      AND t.id <> p_task_id
+      AND t.lease_hash = tq_lease_hash(p_next_lease)
+      AND t.status IN ('claimed', 'running')
+      AND t.send_at IS NULL
+      AND t.worker_id = v_from.worker_id
+      AND t.platform = v_from.platform;
   END IF;
-  SELECT * INTO v_to
-  FROM worker_tasks t
-  WHERE t.id = p_next_id
-    AND t.id <> p_task_id
-    AND t.lease_hash = tq_lease_hash(p_next_lease)
-    AND t.status IN ('claimed', 'running')
-    AND t.send_at IS NULL
-    AND t.worker_id = v_from.worker_id
-    AND t.platform = v_from.platform;
-  IF NOT FOUND THEN
-    -- Not the caller's, or not a standby of the same worker and platform: nothing moves.
-    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION;
+  IF v_to.id IS NOT NULL THEN
+    SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_from.platform;
+  END IF;
+  IF l.platform IS NULL THEN
+    -- Not the caller's, or not a standby of the same worker and limited platform: nothing moves.
+    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION, NULL::worker_tasks, NULL::UUID;
     RETURN;
   END IF;
 
-  SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_from.platform FOR UPDATE;
-  IF NOT FOUND THEN
-    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION;
-    RETURN;
+  -- The next standby in its place, picked before the platform's row is locked: the pick skips
+  -- what is locked and waits for nobody, and the row is held for the writes alone.
+  IF coalesce(p_replace, false) THEN
+    v_new := tq_pick_next(v_to.role, v_from.platform);
   END IF;
+
+  SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_from.platform FOR UPDATE;
   -- The rules of a hand-off (tq_claim_next): the passed slot counts as given back first.
   l.in_flight := greatest(l.in_flight - 1, 0);
   IF l.pauses > 0 OR coalesce(l.paused_until > now(), false)
@@ -1324,7 +1330,7 @@ BEGIN
     UPDATE worker_tasks t SET send_at = NULL WHERE t.id = p_task_id;
     RETURN QUERY SELECT
       CASE WHEN l.pauses > 0 OR coalesce(l.paused_until > now(), false) THEN 'paused' ELSE 'full' END,
-      0.25::DOUBLE PRECISION;
+      0.25::DOUBLE PRECISION, NULL::worker_tasks, NULL::UUID;
     RETURN;
   END IF;
 
@@ -1336,10 +1342,26 @@ BEGIN
   SET tat = v_base + make_interval(secs => 1 / p.requests_per_second),
       updated_at = now()
   WHERE p.platform = l.platform;
-  UPDATE worker_tasks t
-  SET send_at = CASE WHEN t.id = p_next_id THEN v_start END
-  WHERE t.id IN (p_task_id, p_next_id);
-  RETURN QUERY SELECT 'go'::TEXT, greatest(extract(EPOCH FROM v_start - v_now), 0)::DOUBLE PRECISION;
+  -- One UPDATE, its triggers run once: the slot out of one task and into the next, and the
+  -- replacement claimed without one.
+  RETURN QUERY
+  WITH moved AS (
+    UPDATE worker_tasks t
+    SET send_at = CASE WHEN t.id = p_next_id THEN v_start END,
+        status = CASE WHEN t.id = v_new THEN 'running' ELSE t.status END,
+        worker_id = CASE WHEN t.id = v_new THEN v_from.worker_id ELSE t.worker_id END,
+        claimed_at = CASE WHEN t.id = v_new THEN now() ELSE t.claimed_at END,
+        started_at = CASE WHEN t.id = v_new THEN now() ELSE t.started_at END,
+        completed_at = CASE WHEN t.id = v_new THEN NULL ELSE t.completed_at END,
+        last_heartbeat_at = CASE WHEN t.id = v_new THEN now() ELSE t.last_heartbeat_at END,
+        lease_hash = CASE WHEN t.id = v_new THEN tq_lease_hash(v_token) ELSE t.lease_hash END
+    WHERE t.id IN (p_task_id, p_next_id, v_new)
+    RETURNING t
+  )
+  SELECT 'go'::TEXT, greatest(extract(EPOCH FROM v_start - v_now), 0)::DOUBLE PRECISION,
+         m.t, CASE WHEN m.t IS NULL THEN NULL ELSE v_token END
+  FROM (SELECT 1) one
+  LEFT JOIN moved m ON (m.t).id = v_new;
 END;
 $$;
 

@@ -929,7 +929,7 @@ def test_a_pass_or_a_standby_needs_both_leases_and_one_worker(worker: Worker, co
             (mine, other),
         ):
             assert attacker.execute(
-                "SELECT decision FROM platform_pass(%s, %s::UUID, %s, %s::UUID)", (*frm, *to)
+                "SELECT decision FROM platform_pass(%s, %s::UUID, %s, %s::UUID, true)", (*frm, *to)
             ).fetchone() == ("lost",), (frm, to)
             assert_unchanged(conn, before, f"platform_pass({frm[0]} -> {to[0]})")
         for lease in (uuid.uuid4(), None, v.stale):
@@ -948,7 +948,7 @@ def test_a_pass_or_a_standby_needs_both_leases_and_one_worker(worker: Worker, co
         assert_platform_counters_consistent(conn)
 
         assert victim.execute(
-            "SELECT decision FROM platform_pass(%s, %s, %s, %s)",
+            "SELECT decision FROM platform_pass(%s, %s, %s, %s, false)",
             (v.task_id, v.lease, standby_id, standby_lease),
         ).fetchone() == ("go",)
         assert conn.execute(

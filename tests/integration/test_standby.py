@@ -19,7 +19,7 @@ from tests.helpers import (
     status_counts,
 )
 from tests.integration.test_platform_limits import add_platform_tasks, in_flight
-from tq_pipelines.queue.api import PlatformLimits, Task, TaskQueue
+from tq_pipelines.queue.api import PlatformLimits, RequestDecision, Task, TaskQueue
 from tq_pipelines.queue.worker import TaskContext, Worker, current_permit
 
 ROLE = "product_resync"
@@ -55,8 +55,8 @@ def test_a_standby_takes_a_passed_slot_and_no_start_beyond_the_limits(
     assert queue.platform_request(s2, first=True).decision == "full"
 
     # The pass: the slot moves, the counters do not, and the standby's start is now.
-    passed = queue.platform_pass(a, s1)
-    assert passed.decision == "go" and 0 <= passed.wait_seconds < 0.01
+    passed, replacement = queue.platform_pass(a, s1)
+    assert passed.decision == "go" and 0 <= passed.wait_seconds < 0.01 and replacement is None
     assert not slot_of(conn, a.id) and slot_of(conn, s1.id)
     assert in_flight(conn, "dutchie") == (2, 2)
     assert queue.platform_request(s1, first=True).decision == "go"
@@ -64,13 +64,16 @@ def test_a_standby_takes_a_passed_slot_and_no_start_beyond_the_limits(
     # What does not match moves nothing: a task without a slot, a standby that has one, a task
     # of another platform, itself.
     for frm, to in ((a, s2), (b, s1), (jane, s2), (b, b)):
-        assert queue.platform_pass(frm, to).decision == "lost", (frm.id, to.id)
+        assert queue.platform_pass(frm, to, replace=True) == (RequestDecision("lost", 0.0), None), (
+            frm.id,
+            to.id,
+        )
     assert in_flight(conn, "dutchie") == (2, 2) and slot_of(conn, b.id) and not slot_of(conn, s2.id)
 
     # Paused: no standby is claimed, and a pass gives the slot back alone.
     queue.platform_pause("dutchie", 60, "maintenance")
     assert queue.platform_standby(b) is None
-    assert queue.platform_pass(b, s2).decision == "paused"
+    assert queue.platform_pass(b, s2, replace=True) == (RequestDecision("paused", 0.25), None)
     assert not slot_of(conn, b.id) and not slot_of(conn, s2.id)
     assert in_flight(conn, "dutchie") == (1, 1)
     assert_platform_counters_consistent(conn)
@@ -89,9 +92,9 @@ def test_a_pass_keeps_the_workers_share(conn: psycopg.Connection, queue: TaskQue
         assert s1 is not None and s2 is not None
         second = queue.open_session("second", ROLE, hostname="h", heartbeat_seconds=30)
         try:
-            assert queue.platform_pass(a, s1).decision == "full"
+            assert queue.platform_pass(a, s1)[0].decision == "full"
             assert in_flight(conn, "dutchie") == (1, 1)
-            assert queue.platform_pass(b, s2).decision == "go"
+            assert queue.platform_pass(b, s2)[0].decision == "go"
             assert in_flight(conn, "dutchie") == (1, 1) and slot_of(conn, s2.id)
         finally:
             second.close()
@@ -142,9 +145,18 @@ def test_passes_and_standbys_from_many_connections_take_each_task_once_within_th
                     if not ready:
                         break
                     taken[i].extend(s.id for s in ready)
-                    assert many.platform_pass(task, ready[0]).decision == "go"
+                    # Every other pass claims a standby in the same statement, and passes to it.
+                    decision, new = many.platform_pass(task, ready[0], replace=len(ready) == 1)
+                    assert decision.decision == "go"
                     assert many.complete(task, {"passed": True})
                     task = ready[0]
+                    if new is not None:
+                        assert (new.worker_id, new.send_at) == (task.worker_id, None)
+                        taken[i].append(new.id)
+                        decision, again = many.platform_pass(task, new)
+                        assert decision.decision == "go" and again is None
+                        assert many.complete(task, {"passed": True})
+                        task = new
                     for extra in ready[1:]:
                         # Its own slot, if one is free; else given back untried.
                         if many.platform_request(extra, first=True).decision != "go":

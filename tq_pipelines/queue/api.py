@@ -666,15 +666,20 @@ class TaskQueue:
             rows: list[Task] = cur.execute(query("platform_standby"), lease.params).fetchall()
         return rows[0] if rows else None
 
-    def platform_pass(self, held: Held, standby: Held) -> RequestDecision:
+    def platform_pass(
+        self, held: Held, standby: Held, *, replace: bool = False
+    ) -> tuple[RequestDecision, Task | None]:
         """Move the slot of ``held`` (done with its requests) to ``standby``, a task of the same
-        worker and platform holding none: 'go' after ``wait_seconds`` (its first request's start).
-        'paused' or 'full' when the platform paused or the limits shrank meanwhile: the slot went
-        back alone. 'lost' when either task is not the caller's, or they do not match: nothing
-        moved."""
+        worker and platform holding none: 'go' after ``wait_seconds`` (its first request's start),
+        and with ``replace`` the next due task of the platform, claimed as a standby in its place
+        (None when none is due). 'paused' or 'full' when the platform paused or the limits shrank
+        meanwhile: the slot went back alone. 'lost' when either task is not the caller's, or they
+        do not match: nothing moved."""
         lease, nxt = _lease(held), _lease(standby)
-        row = self._one("platform_pass", {**lease.params, "next_id": nxt.task_id, "next_lease": nxt.token})
-        return RequestDecision(row["decision"], float(row["wait_seconds"]))
+        params = {**lease.params, "next_id": nxt.task_id, "next_lease": nxt.token, "replace": replace}
+        row = self._one("platform_pass", params)
+        new = Task(**{f: row[f] for f in _TASK_FIELDS if f in row}) if row["id"] is not None else None
+        return RequestDecision(row["decision"], float(row["wait_seconds"])), new
 
     def platform_abandon(self, held: Held, busy_seconds: float) -> bool:
         """The client gave up on the task's request, which the platform may serve for up to

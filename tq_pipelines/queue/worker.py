@@ -105,10 +105,11 @@ class StandbyLine:
         with self._lock:
             self._reserved[platform] = self._reserved.get(platform, 0) - n
 
-    def add(self, permit: "PlatformPermit") -> bool:
-        """Into the line, in a place reserved; False once closed."""
+    def add(self, permit: "PlatformPermit", *, reserved: bool = False) -> bool:
+        """Into the line (in a place ``reserved`` before); False once closed."""
         with self._lock:
-            self._reserved[permit.platform] = self._reserved.get(permit.platform, 0) - 1
+            if reserved:
+                self._reserved[permit.platform] = self._reserved.get(permit.platform, 0) - 1
             if self._closed:
                 return False
             self._line.setdefault(permit.platform, []).append(permit)
@@ -839,17 +840,25 @@ class Worker:
             ):
                 return False
             standby = self._line.take(task.platform or "")
-            if standby is None:
-                if self._busy >= self.concurrency:
-                    return False
-                self._busy += 1  # the next task's thread, taken before it is claimed
+            # A thread for the next task: the one claimed, or the standby claimed in place of
+            # the one passed to (without a free thread, the line is one shorter).
+            thread = self._busy < self.concurrency
+            if standby is None and not thread:
+                return False
+            self._busy += thread
         asked = time.monotonic()
         if standby is not None:
-            decision: RequestDecision | None = RequestDecision("full", 0.0)
+            decision = RequestDecision("full", 0.0)
+            replacement = None
             try:
-                decision = self.queue.platform_pass(task, standby.task)
+                decision, replacement = self.queue.platform_pass(task, standby.task, replace=thread)
             finally:
                 standby.passed(asked, decision)  # on an error too: the standby asks on its own
+                if thread and replacement is None:
+                    with self._lock:
+                        self._busy -= 1
+            if replacement is not None:
+                self._start_standby(replacement)
             if decision.decision == "lost":
                 return False  # nothing moved: the slot, if still ours, goes back
             if decision.decision == "go":
@@ -916,18 +925,22 @@ class Worker:
                 task = self.queue.platform_standby(holder)
                 if task is None:
                     break
-                [ctx] = self._contexts([task], claimed_at=time.monotonic(), standby=True)
-                assert ctx.permit is not None
                 started += 1
-                with self._lock:
-                    self.stats.standbys += 1
-                if not self._line.add(ctx.permit):
-                    ctx.permit.passed(time.monotonic(), None)  # closed meanwhile: given back
-                self._start_handed(ctx)
+                self._start_standby(task, reserved=True)
         finally:
             self._line.unreserve(platform, want - started)
             with self._lock:
                 self._busy -= want - started
+
+    def _start_standby(self, task: Task, *, reserved: bool = False) -> None:
+        """Run a standby task (its thread taken already) up to its first request, in line."""
+        [ctx] = self._contexts([task], claimed_at=time.monotonic(), standby=True)
+        assert ctx.permit is not None
+        with self._lock:
+            self.stats.standbys += 1
+        if not self._line.add(ctx.permit, reserved=reserved):
+            ctx.permit.passed(time.monotonic(), None)  # closed meanwhile: given back untried
+        self._start_handed(ctx)
 
     def _run_one(self, ctx: TaskContext) -> _Outcome:
         try:
