@@ -61,7 +61,7 @@ def test_no_join_of_the_heads_to_their_stores_offers_a_merge_key(conn: psycopg.C
         " WHERE p.pronamespace = 'public'::regnamespace AND p.prokind = 'f'"
         " AND p.prosrc LIKE '%worker_task_heads h%' AND p.prosrc LIKE '%worker_task_stores s%'"
     ).fetchall()
-    assert {name for name, _ in defs} >= {"claim_tasks", "tq_claim_next", "claim_wait"}
+    assert {name for name, _ in defs} >= {"claim_tasks", "tq_pick_next", "claim_wait"}
     for name, body in defs:
         joins = [line.strip() for line in body.splitlines() if "JOIN worker_task_stores s ON" in line]
         assert joins, name

@@ -168,7 +168,15 @@ def test_a_scan_of_a_roles_heads_has_one_index_to_take(conn: psycopg.Connection)
     walkers = conn.execute(
         "SELECT proname FROM pg_proc WHERE 'enable_seqscan=off' = ANY (proconfig) ORDER BY proname"
     ).fetchall()
-    assert [w for (w,) in walkers] == ["claim_tasks", "claim_wait", "tq_claim_next", "tq_raise_floors"]
+    assert [w for (w,) in walkers] == [
+        "claim_tasks",
+        "claim_wait",
+        "platform_pass",
+        "platform_standby",
+        "tq_claim_next",
+        "tq_pick_next",
+        "tq_raise_floors",
+    ]
 
 
 # As if a minute had passed since every floor was raised and swept.

@@ -20,7 +20,7 @@ from tests.helpers import (
 )
 from tests.integration.test_platform_limits import add_platform_tasks, in_flight
 from tq_pipelines.queue.api import PlatformLimits, RequestDecision, Task, TaskQueue
-from tq_pipelines.queue.worker import TaskContext, Worker, current_permit
+from tq_pipelines.queue.worker import PlatformPermit, StandbyLine, TaskContext, Worker, current_permit
 
 ROLE = "product_resync"
 
@@ -277,3 +277,43 @@ def test_a_stopping_drain_gives_its_standby_tasks_back_untried(conn: psycopg.Con
     assert in_flight(conn, "dutchie") == (0, 0)
     assert_platform_counters_consistent(conn)
     assert_store_state_consistent(conn)
+
+
+def test_a_standby_told_to_ask_finds_the_platform_full_and_waits_in_line_again(
+    conn: psycopg.Connection, queue: TaskQueue
+):
+    """A slot came back and a standby was told to ask for it, but a claim took it first: the
+    standby finds the platform full (0027) and goes back in line, its task kept (not given back);
+    the next pass reaches it and its request goes."""
+    queue.sync_platform_limits([PlatformLimits("dutchie", 1, 1000.0)])
+    add_platform_tasks(conn, "dutchie", add_stores(conn, 3, platform="dutchie"))
+    [holder] = queue.claim_many(ROLE, "w", 1, start=True)
+    standby = queue.platform_standby(holder)
+    assert standby is not None
+    line = StandbyLine()
+    permit = PlatformPermit(queue, standby, threading.Event(), line=line)
+    assert line.add(permit)
+    sent = threading.Event()
+
+    def first_request() -> None:
+        with permit.request():
+            sent.set()
+
+    requester = threading.Thread(target=first_request)
+    requester.start()
+    try:
+        line.poke("dutchie")  # told to ask: the holder still has the only slot
+        assert not sent.wait(0.5)
+        assert line.take("dutchie") is permit  # back in line, waiting
+        assert not slot_of(conn, standby.id) and in_flight(conn, "dutchie") == (1, 1)
+
+        asked = time.monotonic()
+        decision, _ = queue.platform_pass(holder, standby)
+        permit.passed(asked, decision)
+        assert sent.wait(5)
+    finally:
+        permit.passed(time.monotonic(), None)  # whatever happened, the thread ends
+        requester.join(5)
+    assert permit.requests == 1 and not permit.standby
+    assert slot_of(conn, standby.id) and in_flight(conn, "dutchie") == (1, 1)
+    assert_platform_counters_consistent(conn)

@@ -243,12 +243,33 @@ class PlatformPermit:
         self._passed.set()
 
     def _await_pass(self) -> float:
-        """A standby's first request: wait for a slot passed on; after ``STANDBY_WAIT_SECONDS``
-        leave the line and ask for a slot of its own (within the limits, else 'full')."""
+        """A standby's first request: wait in line for a slot passed on. Told to ask (a slot came
+        back with no pass, or a pass failed), it asks for one of its own and, the platform full
+        again (another claim took it), goes back in line. After ``STANDBY_WAIT_SECONDS`` it leaves
+        the line and asks once more; then a full platform gives the task back."""
         waited = time.monotonic()
         self.waiting = True
         try:
-            while not self._passed.wait(0.25):
+            while True:
+                if self._passed.wait(0.25):
+                    asked, decision = self._pass
+                    self._passed.clear()
+                    if decision is None:
+                        raise DeferTask(
+                            0.0, f"worker stopping: task {self.task.id} had no {self.platform} slot"
+                        )
+                    if decision.decision == "go":
+                        self.standby = False
+                        return asked + decision.wait_seconds
+                    due = self._start(True)
+                    if due is not None:
+                        self.standby = False
+                        return due
+                    if self.line is None or not self.line.add(self):
+                        raise DeferTask(
+                            0.0, f"worker stopping: task {self.task.id} had no {self.platform} slot"
+                        )
+                    continue
                 gone = self.lease_lost.is_set()
                 if (gone or time.monotonic() - waited >= STANDBY_WAIT_SECONDS) and (
                     self.line is None or self.line.withdraw(self)
@@ -259,16 +280,18 @@ class PlatformPermit:
                     return self._ask(True)
         finally:
             self.waiting = False
-        self.standby = False
-        asked, decision = self._pass
-        if decision is None:
-            raise DeferTask(0.0, f"worker stopping: task {self.task.id} had no {self.platform} slot yet")
-        if decision.decision != "go":
-            return self._ask(True)
-        return asked + decision.wait_seconds
 
     def _ask(self, first: bool) -> float:
-        """Ask PostgreSQL for the request's start: its ``time.monotonic()``."""
+        """Ask PostgreSQL for the request's start: its ``time.monotonic()``. A task holding no
+        slot that finds none free is given back."""
+        due = self._start(first)
+        if due is None:
+            raise DeferTask(1.0, f"platform {self.platform} has no free slot")
+        return due
+
+    def _start(self, first: bool) -> float | None:
+        """The request's start from PostgreSQL (``time.monotonic()``); None when the task holds no
+        slot and none is free ('full', 0027)."""
         answer = self.queue.platform_request(self.task, first=first)
         answered = time.monotonic()
         if answer.decision == "lost":
@@ -281,7 +304,7 @@ class PlatformPermit:
                 f"platform {self.platform} is paused for {answer.wait_seconds:.0f} s",
             )
         if answer.decision == "full":
-            raise DeferTask(max(answer.wait_seconds, 1.0), f"platform {self.platform} has no free slot")
+            return None
         return answered + answer.wait_seconds
 
     def release(self) -> None:
