@@ -1306,11 +1306,8 @@ BEGIN
       AND t.worker_id = v_from.worker_id
       AND t.platform = v_from.platform;
   END IF;
-  IF v_to.id IS NOT NULL THEN
-    SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_from.platform;
-  END IF;
-  IF l.platform IS NULL THEN
-    -- Not the caller's, or not a standby of the same worker and limited platform: nothing moves.
+  IF v_to.id IS NULL THEN
+    -- Not the caller's, or not a standby of the same worker and platform: nothing moves.
     RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION, NULL::worker_tasks, NULL::UUID;
     RETURN;
   END IF;
@@ -1322,6 +1319,11 @@ BEGIN
   END IF;
 
   SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_from.platform FOR UPDATE;
+  IF NOT FOUND THEN
+    -- A platform without limits has no slots to pass (the pick's locks go with the commit).
+    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION, NULL::worker_tasks, NULL::UUID;
+    RETURN;
+  END IF;
   -- The rules of a hand-off (tq_claim_next): the passed slot counts as given back first.
   l.in_flight := greatest(l.in_flight - 1, 0);
   IF l.pauses > 0 OR coalesce(l.paused_until > now(), false)
