@@ -14,7 +14,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from tq_pipelines.crawl.http import GoneError
-from tq_pipelines.crawl.menu import menu_hash, normalise_menu
+from tq_pipelines.crawl.menu import encode_menu, normalise_menu
 from tq_pipelines.crawl.platforms import CrawlServices, EntryPoint, PlatformSettings
 from tq_pipelines.db.queries import query
 from tq_pipelines.queue.api import JSON, Task, TaskQueue
@@ -150,13 +150,13 @@ def crawl_menu(task: Task, ctx: TaskContext) -> JSON:
         raise _gone(ctx, store, exc) from exc
     ctx.release_platform()  # done with the platform: the slot serves another store while we store
     products = normalise_menu(raw)
-    digest = menu_hash(products)
+    text, digest = encode_menu(products)
     ctx.progress("fetched", products=len(products))
     ctx.check_lease()
     with ctx.transaction() as cur:
         row = cur.execute(
             query("store_menu"),
-            {**ctx.lease_params(), "menu_hash": digest, "products": Jsonb(products)},
+            {**ctx.lease_params(), "menu_hash": digest, "products": Jsonb(products, dumps=lambda _: text)},
         ).fetchone()
         assert row is not None
         result = {

@@ -14,6 +14,11 @@ from tq_pipelines.queue.worker import PermanentTaskError
 
 MAX_PRODUCTS = 20_000
 MAX_PRICE = Decimal("99999999.99")  # numeric(10, 2)
+# Built once: a menu checks three numbers of every product.
+_ZERO = Decimal(0)
+_HUNDRED = Decimal(100)
+_CENT = Decimal("0.01")
+_ZERO_CENTS = Decimal("0.00")
 
 
 class MenuValidationError(PermanentTaskError):
@@ -58,7 +63,7 @@ def _number(value: Any, field: str, *, low: Decimal, high: Decimal, required: bo
     if not number.is_finite() or not low <= number <= high:
         raise ValueError(f"{field} must be between {low} and {high}, got {value!r}")
     # "-0" and "0" are the same price and must hash the same.
-    return str(number.quantize(Decimal("0.01"), rounding=ROUND_HALF_UP) + Decimal("0.00"))
+    return str(number.quantize(_CENT, rounding=ROUND_HALF_UP) + _ZERO_CENTS)
 
 
 def normalise_product(raw: Any) -> Product:
@@ -73,9 +78,9 @@ def normalise_product(raw: Any) -> Product:
         name=_text(raw.get("name"), "name", required=True) or "",
         brand=_text(raw.get("brand"), "brand", required=False),
         category=(category or "").lower(),
-        price=_number(raw.get("price"), "price", low=Decimal(0), high=MAX_PRICE, required=True) or "0.00",
-        thc=_number(raw.get("thc"), "thc", low=Decimal(0), high=Decimal(100), required=False),
-        cbd=_number(raw.get("cbd"), "cbd", low=Decimal(0), high=Decimal(100), required=False),
+        price=_number(raw.get("price"), "price", low=_ZERO, high=MAX_PRICE, required=True) or "0.00",
+        thc=_number(raw.get("thc"), "thc", low=_ZERO, high=_HUNDRED, required=False),
+        cbd=_number(raw.get("cbd"), "cbd", low=_ZERO, high=_HUNDRED, required=False),
         in_stock=in_stock,
     )
 
@@ -104,7 +109,13 @@ def normalise_menu(raw: Any) -> list[Product]:
     return [products[k] for k in sorted(products)]
 
 
-def menu_hash(products: list[Product]) -> str:
-    """sha256 of the normalised menu: equal for menus that would store the same rows."""
+def encode_menu(products: list[Product]) -> tuple[str, str]:
+    """The normalised menu as JSON text, and its sha256: equal for menus that would store the
+    same rows. The text is what is stored too, so the menu is encoded once."""
     text = json.dumps(products, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return text, hashlib.sha256(text.encode()).hexdigest()
+
+
+def menu_hash(products: list[Product]) -> str:
+    """sha256 of the normalised menu (:func:`encode_menu`)."""
+    return encode_menu(products)[1]
