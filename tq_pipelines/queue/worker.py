@@ -255,9 +255,7 @@ class PlatformPermit:
                     asked, decision = self._pass
                     self._passed.clear()
                     if decision is None:
-                        raise DeferTask(
-                            0.0, f"worker stopping: task {self.task.id} had no {self.platform} slot"
-                        )
+                        raise self._stopping()
                     if decision.decision == "go":
                         self.standby = False
                         return asked + decision.wait_seconds
@@ -266,9 +264,7 @@ class PlatformPermit:
                         self.standby = False
                         return due
                     if self.line is None or not self.line.add(self):
-                        raise DeferTask(
-                            0.0, f"worker stopping: task {self.task.id} had no {self.platform} slot"
-                        )
+                        raise self._stopping()
                     continue
                 gone = self.lease_lost.is_set()
                 if (gone or time.monotonic() - waited >= STANDBY_WAIT_SECONDS) and (
@@ -280,6 +276,10 @@ class PlatformPermit:
                     return self._ask(True)
         finally:
             self.waiting = False
+
+    def _stopping(self) -> DeferTask:
+        """A standby given back untried: its worker stops before a slot came to it."""
+        return DeferTask(0.0, f"worker stopping: task {self.task.id} had no {self.platform} slot")
 
     def _ask(self, first: bool) -> float:
         """Ask PostgreSQL for the request's start: its ``time.monotonic()``. A task holding no
