@@ -15,7 +15,11 @@ latency, no faults):
 4. the bound: a probe measures one request's latency on the same simulator (median of 50).
    ``--bound in-flight``: ``--in-flight`` slots per host and no rate that binds; the bound is
    (in-flight per host x platforms) / that latency. ``--bound rate``: ``--rate`` requests per
-   second per platform (below what the slots carry), and the bound is rate x platforms.
+   second per platform (below what the slots carry), and the bound is rate x platforms;
+5. the client's ceiling (``--ceiling-seconds``, in-flight bound only): no queue, PostgreSQL idle,
+   one thread per slot sending menu GETs back to back through one httpx client per host, as the
+   drain's client does: what this machine's client and simulator reach of the bound by
+   themselves, and the slot gap they leave, the part of the crawl's gap that is not the queue's.
 Figures: stores/s from first claim to last completion (from worker_tasks), and its ratio to the
 bound; each run's share of the stores (and the spread, the largest over the smallest); the
 server's highest in-flight count per host shows the limit was held, not exceeded, and its mean
@@ -32,6 +36,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -240,6 +245,52 @@ def probe_latency(urls: dict[str, str], url: str) -> float:
     return statistics.median(times)
 
 
+def client_ceiling(
+    sim: SimulatorProcess, url: str, in_flight: int, seconds: float, bound: float
+) -> dict[str, Any]:
+    """``in_flight`` threads per platform, each sending menu GETs back to back for ``seconds``
+    through the platform's one httpx client; the requests per second the servers logged, as a
+    fraction of ``bound``, and their slot gap."""
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT menu_type, platform_dispensary_id FROM dispensaries ORDER BY id"
+        ).fetchall()
+    paths: dict[str, list[str]] = {}
+    for platform, pid in rows:
+        paths.setdefault(platform, []).append(f"/menus/{pid}")
+    clients = {n: httpx.Client(base_url=u) for n, u in sim.urls.items()}
+    began = time.time() + 0.5
+    until = began + seconds
+
+    def send(platform: str, k: int) -> None:
+        mine = paths[platform][k::in_flight]
+        while time.time() < began:
+            time.sleep(0.001)
+        i = 0
+        while time.time() < until:
+            clients[platform].get(mine[i % len(mine)]).raise_for_status()
+            i += 1
+
+    threads = [threading.Thread(target=send, args=(n, k)) for n in paths for k in range(in_flight)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in clients.values():
+        c.close()
+    stats = {}
+    for n, p in sim.platforms.items():
+        log: list[LogEntry] = [(a, d, st) for a, d, st in p.server_stats(log=True)["log"] if a >= began]
+        stats[n] = {"requests": len(log), **occupancy(log)}
+    rate = sum(s["requests"] / s["span_s"] for s in stats.values() if s["span_s"])
+    return {
+        "seconds": seconds,
+        "requests_per_s": round(rate, 1),
+        "ratio": round(rate / bound, 2),
+        "server_slots": slot_report(stats, in_flight),
+    }
+
+
 def history_rows(url: str) -> int:
     with psycopg.connect(url) as conn:
         return conn.execute("SELECT count(*) FROM product_history").fetchone()[0]  # type: ignore[index]
@@ -267,6 +318,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--rate", type=float, default=40.0, help="with --bound rate: requests per second per platform"
+    )
+    parser.add_argument(
+        "--ceiling-seconds",
+        type=float,
+        default=10.0,
+        help="with --bound in-flight: seconds of the client's ceiling, no queue (0: none)",
     )
     args = parser.parse_args()
     limit_rate = args.rate if args.bound == "rate" else 10000
@@ -323,11 +380,17 @@ def main() -> None:
     resync_stats = server_stats(sim)  # before the probe's own requests
     # 4. The bound, on the same simulator.
     latency = probe_latency(sim.urls, url)
-    sim.stop()
     in_flight_bound = args.in_flight * args.platforms / latency
     bound = (
         in_flight_bound if args.bound == "in-flight" else min(limit_rate * args.platforms, in_flight_bound)
     )
+    # 5. What the client and the simulator reach without the queue.
+    ceiling = (
+        client_ceiling(sim, url, args.in_flight, args.ceiling_seconds, bound)
+        if args.bound == "in-flight" and args.ceiling_seconds > 0
+        else None
+    )
+    sim.stop()
 
     def run_totals(runs: list[dict[str, Any]]) -> dict[str, int]:
         keys = ("completed", "failed", "retried", "deferred", "lost")
@@ -348,10 +411,12 @@ def main() -> None:
         "latency_ms_configured": args.latency_ms,
         "latency_ms_measured": round(latency * 1000, 1),
         "bound_stores_per_s": round(bound, 1),
+        "client_ceiling": ceiling,
         "first_crawl": {
             "completed": first_n,
             "stores_per_s": round(first_rate, 1),
             "ratio": round(first_rate / bound, 2),
+            "of_client_ceiling": round(first_rate / ceiling["requests_per_s"], 2) if ceiling else None,
             "history_rows": new_history,
             "run": run_totals(first),
             "per_run": first_shares,
@@ -367,6 +432,7 @@ def main() -> None:
             "changed_menus": changed_menus,
             "stores_per_s": round(resync_rate, 1),
             "ratio": round(resync_rate / bound, 2),
+            "of_client_ceiling": round(resync_rate / ceiling["requests_per_s"], 2) if ceiling else None,
             "history_rows_added": history_rows(url) - new_history,
             "run": run_totals(resync),
             "per_run": resync_shares,
