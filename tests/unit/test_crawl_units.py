@@ -2,7 +2,9 @@
 rate (GCRA), platform settings and adapters, and the handler registry's TQ_HANDLERS overrides."""
 
 import email.utils
+import hashlib
 import itertools
+import json
 import math
 import re
 import sys
@@ -19,7 +21,13 @@ from pydantic import ValidationError
 
 from tq_pipelines.crawl import http as http_mod
 from tq_pipelines.crawl.http import HostLimits, PoliteClient, _Host, host_key, retry_after_seconds
-from tq_pipelines.crawl.menu import MAX_PRODUCTS, MenuValidationError, menu_hash, normalise_menu
+from tq_pipelines.crawl.menu import (
+    MAX_PRODUCTS,
+    MenuValidationError,
+    encode_menu,
+    menu_hash,
+    normalise_menu,
+)
 from tq_pipelines.crawl.platforms import (
     CrawlServices,
     GenericJsonAdapter,
@@ -235,6 +243,12 @@ def test_menu_hash_ignores_order_and_spelling_but_not_a_price():
     assert menu_hash(normalise_menu(flipped)) != digest
     assert menu_hash(normalise_menu(a[:1])) != digest
     assert menu_hash([]) != digest
+
+    # The text stored is the text hashed: it reads back as the menu, non-ASCII names included.
+    named = [dict(a[0], name="Crème brûlée \u00b7 1 g"), a[1]]
+    text, named_digest = encode_menu(normalise_menu(named))
+    assert json.loads(text) == normalise_menu(named)
+    assert named_digest == hashlib.sha256(text.encode()).hexdigest() == menu_hash(normalise_menu(named))
 
 
 # ------------------------------------------------------------------------------------------------
