@@ -393,7 +393,9 @@ def main() -> None:
     sim.stop()
 
     def run_totals(runs: list[dict[str, Any]]) -> dict[str, int]:
+        # How the slots moved too: passed to a standby, handed off, and the standbys claimed.
         keys = ("completed", "failed", "retried", "deferred", "lost")
+        keys += ("passes_to_standby", "hand_offs", "standby_claimed")
         return {k: sum(r[k] for r in runs) for k in keys} | {"concurrency": runs[0]["concurrency"]}
 
     def spread(counts: list[int]) -> float | None:
