@@ -41,8 +41,8 @@ import urllib3
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.crawl_throughput import NAMES, occupancy, slot_report  # noqa: E402
-from tq_pipelines_demo.simulator import LogEntry, PlatformProfile, SimulatorProcess  # noqa: E402
+from bench.crawl_throughput import NAMES, served_since  # noqa: E402
+from tq_pipelines_demo.simulator import PlatformProfile, SimulatorProcess  # noqa: E402
 
 CELLS = ("httpx", "urllib3", "http.client", "select1", "cpu1ms")
 BUSY_CORES = 0.7
@@ -163,18 +163,13 @@ def run_cell(
         t.join()
     for c in clients.values():
         c.close()
-    stats = {}
-    for n, platform in sim.platforms.items():
-        served = platform.server_stats(log=True)["log"]
-        log: list[LogEntry] = [(a, d, s) for a, d, s in served if a >= began]
-        stats[n] = {"requests": len(log), **occupancy(log)}
-    rate = sum(s["requests"] / s["span_s"] for s in stats.values() if s["span_s"])
+    rate, slots = served_since(sim, began, args.in_flight)
     bound = args.in_flight * len(paths) / latency
     return {
         "cell": cell,
         "requests_per_s": round(rate, 1),
         "of_bound": round(rate / bound, 3),
-        "slot_gap_ms": {n: g["slot_gap_ms"] for n, g in slot_report(stats, args.in_flight).items()},
+        "slot_gap_ms": {n: g["slot_gap_ms"] for n, g in slots.items()},
     }
 
 

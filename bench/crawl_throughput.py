@@ -278,17 +278,27 @@ def client_ceiling(
         t.join()
     for c in clients.values():
         c.close()
-    stats = {}
-    for n, p in sim.platforms.items():
-        log: list[LogEntry] = [(a, d, st) for a, d, st in p.server_stats(log=True)["log"] if a >= began]
-        stats[n] = {"requests": len(log), **occupancy(log)}
-    rate = sum(s["requests"] / s["span_s"] for s in stats.values() if s["span_s"])
+    rate, slots = served_since(sim, began, in_flight)
     return {
         "seconds": seconds,
         "requests_per_s": round(rate, 1),
         "ratio": round(rate / bound, 2),
-        "server_slots": slot_report(stats, in_flight),
+        "server_slots": slots,
     }
+
+
+def served_since(
+    sim: SimulatorProcess, began: float, slots: int
+) -> tuple[float, dict[str, dict[str, float]]]:
+    """From the servers' logs, the requests that arrived from ``began`` on: their rate over all
+    platforms (requests per second), and each server's :func:`slot_report`."""
+    stats = {}
+    for n, platform in sim.platforms.items():
+        served = platform.server_stats(log=True)["log"]
+        log: list[LogEntry] = [(a, d, st) for a, d, st in served if a >= began]
+        stats[n] = {"requests": len(log), **occupancy(log)}
+    rate = sum(s["requests"] / s["span_s"] for s in stats.values() if s["span_s"])
+    return rate, slot_report(stats, slots)
 
 
 def history_rows(url: str) -> int:
@@ -394,8 +404,10 @@ def main() -> None:
 
     def run_totals(runs: list[dict[str, Any]]) -> dict[str, int]:
         # How the slots moved too: passed to a standby, handed off, and the standbys claimed.
-        keys = ("completed", "failed", "retried", "deferred", "lost")
-        keys += ("passes_to_standby", "hand_offs", "standby_claimed")
+        keys = (
+            *("completed", "failed", "retried", "deferred", "lost"),
+            *("passes_to_standby", "hand_offs", "standby_claimed"),
+        )
         return {k: sum(r[k] for r in runs) for k in keys} | {"concurrency": runs[0]["concurrency"]}
 
     def spread(counts: list[int]) -> float | None:
