@@ -26,7 +26,6 @@ import http.client
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import threading
 import time
@@ -41,7 +40,7 @@ import urllib3
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.crawl_throughput import NAMES, served_since  # noqa: E402
+from bench.crawl_throughput import NAMES, median_get, menu_paths, served_since  # noqa: E402
 from tq_pipelines_demo.simulator import PlatformProfile, SimulatorProcess  # noqa: E402
 
 CELLS = ("httpx", "urllib3", "http.client", "select1", "cpu1ms")
@@ -50,21 +49,14 @@ BUSY_SHARE = 0.35  # of a core, per process
 GIL_THREADS, GIL_SHARE = 4, 0.15
 
 
-def _busy(share: float, stop: Any) -> None:
-    """Keeps ``share`` of a core busy, in 10 ms periods, until ``stop`` is set."""
+def _busy(period: float, share: float, stop: Any) -> None:
+    """Spins ``share`` of every ``period`` seconds (a core, and the interpreter with it) until
+    ``stop`` is set."""
     while not stop.is_set():
         began = time.perf_counter()
-        while time.perf_counter() - began < 0.01 * share:
+        while time.perf_counter() - began < period * share:
             pass
-        time.sleep(0.01 * (1 - share))
-
-
-def _hold_interpreter(stop: threading.Event) -> None:
-    while not stop.is_set():
-        began = time.perf_counter()
-        while time.perf_counter() - began < 0.002 * GIL_SHARE:
-            pass
-        time.sleep(0.002 * (1 - GIL_SHARE))
+        time.sleep(period * (1 - share))
 
 
 def cpu_statement_rows(url: str) -> int:
@@ -78,17 +70,6 @@ def cpu_statement_rows(url: str) -> int:
             took = (time.perf_counter() - began) / 20
             rows = max(100, int(rows * 0.001 / took))
     return rows
-
-
-def probe_latency(base_url: str, paths: list[str]) -> float:
-    """Median seconds of one menu GET on a warm connection (as ``crawl_throughput`` probes it)."""
-    times = []
-    with httpx.Client(base_url=base_url) as client:
-        for path in paths[:50]:
-            began = time.perf_counter()
-            client.get(path).raise_for_status()
-            times.append(time.perf_counter() - began)
-    return statistics.median(times)
 
 
 def run_cell(
@@ -105,12 +86,12 @@ def run_cell(
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     busy = [
-        ctx.Process(target=_busy, args=(BUSY_SHARE, stop))
+        ctx.Process(target=_busy, args=(0.01, BUSY_SHARE, stop))
         for _ in range(round(BUSY_CORES / BUSY_SHARE) if "busy" in extras else 0)
     ]
     held = threading.Event()
     holders = [
-        threading.Thread(target=_hold_interpreter, args=(held,))
+        threading.Thread(target=_busy, args=(0.002, GIL_SHARE, held))
         for _ in range(GIL_THREADS if "gil" in extras else 0)
     ]
     for p in busy:
@@ -195,9 +176,9 @@ def main() -> None:
     ]
     rows = cpu_statement_rows(args.url)
     with SimulatorProcess(profiles) as sim:
-        paths = {n: [f"/menus/{s.platform_id}" for s in p.stores.values()] for n, p in sim.platforms.items()}
+        paths = menu_paths(sim)
         first = next(iter(paths))
-        latency = probe_latency(sim.urls[first], paths[first])
+        latency = median_get([sim.urls[first] + path for path in paths[first][:50]])
         print(json.dumps({"latency_ms": round(latency * 1000, 1), "cpu_statement_rows": rows}), flush=True)
         for cell in args.cells.split(","):
             print(json.dumps(run_cell(cell, sim, paths, args, rows, latency)), flush=True)

@@ -236,28 +236,30 @@ def probe_latency(urls: dict[str, str], url: str) -> float:
         stores = conn.execute(
             "SELECT menu_type, platform_dispensary_id FROM dispensaries ORDER BY id LIMIT 50"
         ).fetchall()
+    return median_get([f"{urls[platform]}/menus/{pid}" for platform, pid in stores])
+
+
+def median_get(urls: list[str]) -> float:
+    """Median seconds of a GET of each of ``urls`` in turn, on one warm client."""
     times = []
     with httpx.Client() as client:
-        for platform, pid in stores:
+        for u in urls:
             began = time.perf_counter()
-            client.get(f"{urls[platform]}/menus/{pid}").raise_for_status()
+            client.get(u).raise_for_status()
             times.append(time.perf_counter() - began)
     return statistics.median(times)
 
 
-def client_ceiling(
-    sim: SimulatorProcess, url: str, in_flight: int, seconds: float, bound: float
-) -> dict[str, Any]:
+def menu_paths(sim: SimulatorProcess) -> dict[str, list[str]]:
+    """Every store's menu path, by platform."""
+    return {n: [f"/menus/{s.platform_id}" for s in p.stores.values()] for n, p in sim.platforms.items()}
+
+
+def client_ceiling(sim: SimulatorProcess, in_flight: int, seconds: float, bound: float) -> dict[str, Any]:
     """``in_flight`` threads per platform, each sending menu GETs back to back for ``seconds``
     through the platform's one httpx client; the requests per second the servers logged, as a
     fraction of ``bound``, and their slot gap."""
-    with psycopg.connect(url) as conn:
-        rows = conn.execute(
-            "SELECT menu_type, platform_dispensary_id FROM dispensaries ORDER BY id"
-        ).fetchall()
-    paths: dict[str, list[str]] = {}
-    for platform, pid in rows:
-        paths.setdefault(platform, []).append(f"/menus/{pid}")
+    paths = menu_paths(sim)
     clients = {n: httpx.Client(base_url=u) for n, u in sim.urls.items()}
     began = time.time() + 0.5
     until = began + seconds
@@ -396,7 +398,7 @@ def main() -> None:
     )
     # 5. What the client and the simulator reach without the queue.
     ceiling = (
-        client_ceiling(sim, url, args.in_flight, args.ceiling_seconds, bound)
+        client_ceiling(sim, args.in_flight, args.ceiling_seconds, bound)
         if args.bound == "in-flight" and args.ceiling_seconds > 0
         else None
     )
