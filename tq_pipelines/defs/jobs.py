@@ -233,6 +233,8 @@ def drain_role_tasks(
             "hand_offs": dg.MetadataValue.int(stats.hand_offs),
             "passes_to_standby": dg.MetadataValue.int(stats.passes),
             "standby_claimed": dg.MetadataValue.int(stats.standbys),
+            # Requests re-timed because their thread woke late for the start given (0019).
+            "late_starts": dg.MetadataValue.int(stats.late_starts),
             "concurrency": dg.MetadataValue.int(concurrency),
             "drain_seconds": dg.MetadataValue.float(round(stats.drain_seconds, 3)),
             "tasks_per_second": dg.MetadataValue.float(round(stats.tasks_per_second, 1)),

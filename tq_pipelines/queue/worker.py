@@ -191,6 +191,9 @@ class PlatformPermit:
         self.platform = task.platform or ""
         self.lease_lost = lease_lost
         self.requests = 0
+        # Starts asked for again because the thread woke too late for the one given (a busy
+        # machine shows here first).
+        self.late_starts = 0
         self.released = False
         # A hand-off's claim is its first request's permission, given while the platform was
         # open: (time.monotonic() of the claim, seconds from then to its send_at). None: ask.
@@ -229,6 +232,7 @@ class PlatformPermit:
                 # arrive among the starts given after its own. PostgreSQL keeps a claim's start
                 # within the platform's grace, else gives the next (0019).
                 late += 1
+                self.late_starts += 1
                 if late == MAX_LATE_STARTS:
                     reason = f"task {self.task.id} woke late for {late} starts of {self.platform}"
                     raise DeferTask(1.0, reason)
@@ -236,10 +240,11 @@ class PlatformPermit:
             self.requests += 1
             yield
 
-    def passed(self, asked: float, decision: RequestDecision | None) -> None:
+    def passed(self, answered: float, decision: RequestDecision | None) -> None:
         """The answer to a standby: a slot passed on ('go', its start ``decision.wait_seconds``
-        after ``asked``), none (anything else: ask for one), or None: the worker is stopping."""
-        self._pass = (asked, decision)
+        after ``answered``, the ``time.monotonic()`` the pass returned), none (anything else: ask
+        for one), or None: the worker is stopping."""
+        self._pass = (answered, decision)
         self._passed.set()
 
     def _await_pass(self) -> float:
@@ -252,13 +257,13 @@ class PlatformPermit:
         try:
             while True:
                 if self._passed.wait(0.25):
-                    asked, decision = self._pass
+                    answered, decision = self._pass
                     self._passed.clear()
                     if decision is None:
                         raise self._stopping()
                     if decision.decision == "go":
                         self.standby = False
-                        return asked + decision.wait_seconds
+                        return answered + decision.wait_seconds
                     due = self._start(True)
                     if due is not None:
                         self.standby = False
@@ -450,6 +455,8 @@ class DrainStats:
     hand_offs: int = 0
     passes: int = 0
     standbys: int = 0
+    # Requests whose thread woke too late for its start and asked for another (0019).
+    late_starts: int = 0
     handler_seconds: float = 0.0
     first_claim_at: float | None = None
     last_finish_at: float | None = None
@@ -876,7 +883,10 @@ class Worker:
             try:
                 decision, replacement = self.queue.platform_pass(task, standby.task, replace=thread)
             finally:
-                standby.passed(asked, decision)  # on an error too: the standby asks on its own
+                # On an error too: the standby asks on its own. Its start is reckoned from the
+                # answer, as a request's (_start): from the call, a wait for a pooled connection
+                # would send it early where a rate binds, and late (asking again) where none does.
+                standby.passed(time.monotonic(), decision)
                 if thread and replacement is None:
                     with self._lock:
                         self._busy -= 1
@@ -903,9 +913,11 @@ class Worker:
             with self._lock:
                 self._busy -= 1
             return True
+        answered = time.monotonic()
         [ctx] = self._contexts([nxt], claimed_at=asked)
         if ctx.permit is not None and nxt.send_at is not None and nxt.claimed_at is not None:
-            ctx.permit.first_start = (asked, max(0.0, (nxt.send_at - nxt.claimed_at).total_seconds()))
+            # From the answer, as a pass's start (above).
+            ctx.permit.first_start = (answered, max(0.0, (nxt.send_at - nxt.claimed_at).total_seconds()))
         if self._start_handed(ctx):
             with self._lock:
                 self.stats.hand_offs += 1
@@ -969,9 +981,11 @@ class Worker:
         try:
             return self._run_handler(ctx)
         finally:
-            if self._pool is not None:
-                with self._lock:
+            with self._lock:
+                if self._pool is not None:
                     self._busy -= 1
+                if ctx.permit is not None:
+                    self.stats.late_starts += ctx.permit.late_starts
 
     def _run_handler(self, ctx: TaskContext) -> _Outcome:
         began = time.monotonic()
