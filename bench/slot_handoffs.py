@@ -1,7 +1,7 @@
 """Slot hand-offs on one platform: the queue as it is against the queue before a migration, in one run.
 
     python bench/slot_handoffs.py [--url URL] [--before 0026] [--slots 8,16] [--tasks 6000]
-                                  [--repeat 3] [--pgbench-seconds 5] [--pass]
+                                  [--repeat 3] [--pgbench-seconds 5] [--pass [both]]
 
 Every hand-off (``platform_handoff``: the slot goes back and the platform's next task is
 claimed with it) locks its platform's row in ``tq_platforms``, so the hand-offs of a platform
@@ -160,8 +160,11 @@ def main() -> None:
     parser.add_argument(
         "--pass",
         dest="passes",
-        action="store_true",
-        help="the queue now passes slots to standby tasks (0028), the queue before hands them off",
+        nargs="?",
+        const="now",
+        choices=["now", "both"],
+        help="slots passed to standby tasks (0028): by the queue now (the queue before hands them"
+        " off), or by both",
     )
     args = parser.parse_args()
     schemas = {"now": None, f"before {args.before}": args.before}
@@ -178,7 +181,14 @@ def main() -> None:
         for i in range(args.repeat):
             order = list(urls) if i % 2 == 0 else list(reversed(urls))
             for name in order:
-                runs[name].append(handoffs(urls[name], slots, args.tasks, args.passes and name == "now"))
+                runs[name].append(
+                    handoffs(
+                        urls[name],
+                        slots,
+                        args.tasks,
+                        args.passes == "both" or (args.passes == "now" and name == "now"),
+                    )
+                )
         tps = pgbench_tps(args.url, slots, args.pgbench_seconds) if args.pgbench_seconds else float("nan")
         (new, new_ms), (old, old_ms) = (
             (statistics.median(r for r, _ in runs[n]), statistics.median(m for _, m in runs[n]))

@@ -2362,15 +2362,18 @@ $_$;
 --
 
 CREATE FUNCTION public.task_still_owned(p_task_id integer, p_lease uuid) RETURNS TABLE(owned integer)
-    LANGUAGE sql SECURITY DEFINER
+    LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
+BEGIN
+  RETURN QUERY
   SELECT 1
   FROM worker_tasks t
   WHERE t.id = p_task_id
     AND t.lease_hash = tq_lease_hash(p_lease)
     AND t.status IN ('claimed', 'running')
   FOR SHARE;
+END;
 $$;
 
 
@@ -4726,15 +4729,19 @@ $$;
 --
 
 CREATE FUNCTION public.tq_worker_slots(p_worker_id character varying, p_platform character varying, p_except integer) RETURNS integer
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     AS $$
-  SELECT count(*)::INTEGER
-  FROM worker_tasks t  -- idx_worker_tasks_holding
-  WHERE t.worker_id = p_worker_id
-    AND t.platform = p_platform
-    AND t.status IN ('claimed', 'running')
-    AND t.send_at IS NOT NULL
-    AND t.id IS DISTINCT FROM p_except;
+BEGIN
+  RETURN (
+    SELECT count(*)::INTEGER
+    FROM worker_tasks t  -- idx_worker_tasks_holding
+    WHERE t.worker_id = p_worker_id
+      AND t.platform = p_platform
+      AND t.status IN ('claimed', 'running')
+      AND t.send_at IS NOT NULL
+      AND t.id IS DISTINCT FROM p_except
+  );
+END;
 $$;
 
 
