@@ -253,9 +253,9 @@ class SlowToAnswerPass(TaskQueue):
 
 
 def test_a_standby_reckons_its_start_from_the_pass_s_answer(conn: psycopg.Connection, queue: TaskQueue):
-    """A pass that waited before its statement ran gives a start from then: the standby sends at
-    once, rather than taking the wait for lateness and asking PostgreSQL for another start (or,
-    where a rate binds, sending that much before the start it was given)."""
+    """A pass's start is reckoned from its answer, however long the call waited before its
+    statement ran: the standby sends at once, rather than take the wait for lateness and ask
+    PostgreSQL for another start (or, where a rate binds, send that much before its start)."""
     queue.sync_platform_limits([PlatformLimits("dutchie", 3, 1000.0)])
     add_platform_tasks(conn, "dutchie", add_stores(conn, 60, platform="dutchie"))
     platform = Platform(0.02)
