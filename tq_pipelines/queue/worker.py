@@ -876,7 +876,6 @@ class Worker:
             if standby is None and not thread:
                 return False
             self._busy += thread
-        asked = time.monotonic()
         if standby is not None:
             decision = RequestDecision("full", 0.0)
             replacement = None
@@ -903,6 +902,7 @@ class Worker:
                 self._slot_freed.set()
                 self._wake.set()
             return True
+        asked = time.monotonic()  # the hand-off's claimed_at, as the main loop's claims
         try:
             nxt = self.queue.platform_handoff(task)
         except BaseException:
