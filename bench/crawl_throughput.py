@@ -17,7 +17,7 @@ latency, no faults):
    (in-flight per host x platforms) / that latency. ``--bound rate``: ``--rate`` requests per
    second per platform (below what the slots carry), and the bound is rate x platforms;
 5. the client's ceiling (``--ceiling-seconds``, in-flight bound only): no queue, PostgreSQL idle,
-   one thread per slot sending menu GETs back to back through one httpx client per host, as the
+   one thread per slot sending menu GETs back to back through one urllib3 pool per host, as the
    drain's client does: what this machine's client and simulator reach of the bound by
    themselves, and the slot gap they leave, the part of the crawl's gap that is not the queue's.
 Figures: stores/s from first claim to last completion (from worker_tasks), and its ratio to the
@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
-import httpx
 import psycopg
+import urllib3
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -240,12 +240,12 @@ def probe_latency(urls: dict[str, str], url: str) -> float:
 
 
 def median_get(urls: list[str]) -> float:
-    """Median seconds of a GET of each of ``urls`` in turn, on one warm client."""
+    """Median seconds of a GET of each of ``urls`` in turn, on one warm connection."""
     times = []
-    with httpx.Client() as client:
+    with urllib3.PoolManager() as client:
         for u in urls:
             began = time.perf_counter()
-            client.get(u).raise_for_status()
+            assert client.request("GET", u).status == 200, u
             times.append(time.perf_counter() - began)
     return statistics.median(times)
 
@@ -257,10 +257,10 @@ def menu_paths(sim: SimulatorProcess) -> dict[str, list[str]]:
 
 def client_ceiling(sim: SimulatorProcess, in_flight: int, seconds: float, bound: float) -> dict[str, Any]:
     """``in_flight`` threads per platform, each sending menu GETs back to back for ``seconds``
-    through the platform's one httpx client; the requests per second the servers logged, as a
+    through the platform's one urllib3 pool; the requests per second the servers logged, as a
     fraction of ``bound``, and their slot gap."""
     paths = menu_paths(sim)
-    clients = {n: httpx.Client(base_url=u) for n, u in sim.urls.items()}
+    clients = {n: urllib3.connection_from_url(u, maxsize=in_flight) for n, u in sim.urls.items()}
     began = time.time() + 0.5
     until = began + seconds
 
@@ -270,7 +270,7 @@ def client_ceiling(sim: SimulatorProcess, in_flight: int, seconds: float, bound:
             time.sleep(0.001)
         i = 0
         while time.time() < until:
-            clients[platform].get(mine[i % len(mine)]).raise_for_status()
+            assert clients[platform].urlopen("GET", mine[i % len(mine)]).status == 200
             i += 1
 
     threads = [threading.Thread(target=send, args=(n, k)) for n in paths for k in range(in_flight)]

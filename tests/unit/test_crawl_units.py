@@ -688,10 +688,10 @@ def test_a_longest_pause_below_the_first_is_refused_in_words(tmp_path: Path):
 
 
 def test_a_closed_polite_client_sends_nothing_and_opens_no_pool():
-    """One httpx client per host, made on first use: after close, a request is refused instead
+    """One connection pool per host, made on first use: after close, a request is refused instead
     of opening a pool that nothing would close."""
     client = PoliteClient(timeout_seconds=1)
     client.close()
     with pytest.raises(RuntimeError, match="closed"):
         client.get_json("http://127.0.0.1:9/menu")
-    assert client._clients == {}
+    assert client._pools == {}

@@ -1,5 +1,5 @@
-"""HTTP for handlers: one shared httpx client, politeness per platform and per host, and errors
-classified.
+"""HTTP for handlers: one urllib3 connection pool per host, politeness per platform and per host,
+and errors classified.
 
 The limit that counts is the platform's, shared by every worker of the fleet: each request of a
 task (redirect hops included, whatever host they name) goes through the task's
@@ -16,16 +16,26 @@ cannot get a slot within ``slot_wait_seconds`` defers its task (:class:`DeferTas
 holding a worker thread. A 429 with Retry-After pauses the host for that long.
 """
 
+import builtins
 import email.utils
+import json
 import threading
 import time
 from collections.abc import Collection
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NoReturn
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import unquote, urlencode, urljoin, urlsplit
 
-import httpx
+import certifi
+import urllib3
+from urllib3.exceptions import (
+    ConnectTimeoutError,
+    HTTPError,
+    LocationValueError,
+    ProtocolError,
+    ReadTimeoutError,
+)
 
 from tq_pipelines.queue.api import MAX_DELAY_SECONDS
 from tq_pipelines.queue.redact import redact_text, redact_url
@@ -39,6 +49,7 @@ from tq_pipelines.queue.worker import (
 
 # Redirect hops followed by hand, so that each is a request under the platform's limits.
 MAX_REDIRECTS = 5
+REDIRECT_STATUSES = frozenset((301, 302, 303, 307, 308))
 
 
 class GoneError(PermanentTaskError):
@@ -138,11 +149,12 @@ class PoliteClient:
 
     def __init__(self, *, timeout_seconds: float = 10.0, user_agent: str = "tq_pipelines") -> None:
         self.timeout_seconds = timeout_seconds
-        self.user_agent = user_agent
-        # One httpx client, so one connection pool, per host: httpcore's pool serves all its
-        # requests under one lock and scans every connection it holds for each (twice a request),
-        # so one pool shared by the hosts made the handler threads queue on it.
-        self._clients: dict[str, httpx.Client] = {}
+        self.headers = urllib3.make_headers(user_agent=user_agent, accept_encoding=True)
+        self.headers["Accept"] = "application/json"
+        # One urllib3 pool per host: the client's work sits between a request's answer and the
+        # next request of its slot, and urllib3 takes about half of httpx's time there
+        # (bench/client_gap.py).
+        self._pools: dict[str, urllib3.HTTPConnectionPool] = {}
         self._closed = False
         self._hosts: dict[str, _Host] = {}
         self._limits: dict[str, HostLimits] = {}
@@ -150,25 +162,30 @@ class PoliteClient:
 
     def close(self) -> None:
         with self._lock:
-            clients, self._clients, self._closed = list(self._clients.values()), {}, True
-        for client in clients:
-            client.close()
+            pools, self._pools, self._closed = list(self._pools.values()), {}, True
+        for pool in pools:
+            pool.close()
 
-    def _client(self, key: str) -> httpx.Client:
+    def _pool(self, key: str) -> urllib3.HTTPConnectionPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("this PoliteClient is closed")
-            client = self._clients.get(key)
-            if client is None:
-                client = self._clients[key] = httpx.Client(
-                    timeout=httpx.Timeout(self.timeout_seconds),
-                    headers={"User-Agent": self.user_agent, "Accept": "application/json"},
-                    # The pool must not be the bottleneck: the per-host limits are.
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-                    # Followed in get_json, each hop under the limits.
-                    follow_redirects=False,
+            pool = self._pools.get(key)
+            if pool is None:
+                tls = {"ca_certs": certifi.where()} if key.startswith("https:") else {}
+                pool = self._pools[key] = urllib3.connection_from_url(
+                    key,
+                    # The pool must not be the bottleneck: the per-host limits are. Past 256 idle
+                    # connections a request opens a new one rather than wait for one.
+                    maxsize=256,
+                    block=False,
+                    headers=self.headers,
+                    # No retry and no redirect of urllib3's own: each hop is a request under the
+                    # limits (get_json), and a retry is the queue's.
+                    retries=False,
+                    **tls,
                 )
-            return client
+            return pool
 
     def __enter__(self) -> "PoliteClient":
         return self
@@ -203,25 +220,37 @@ class PoliteClient:
         a paused platform or a saturated host :class:`DeferTask`. With ``allowed_hosts``, a URL
         (the first or a redirect's) on any other host is refused before it is requested."""
         permit = current_permit.get()
+        if params:
+            url += ("&" if urlsplit(url).query else "?") + urlencode(params)
         for _ in range(MAX_REDIRECTS + 1):
             if allowed_hosts is not None:
                 _check_host(url, allowed_hosts)
-            response, host = self._send(url, params, timeout, permit)
-            if not response.is_redirect:
-                return self._body(response, host, permit)
-            url, params = urljoin(str(response.url), response.headers["location"]), None
+            response, host = self._send(url, timeout, permit)
+            location = response.headers.get("Location")
+            if response.status not in REDIRECT_STATUSES or location is None:
+                return self._body(url, response, host, permit)
+            url = urljoin(url, location)
         raise PermanentTaskError(redact_text(f"more than {MAX_REDIRECTS} redirects from GET {url}"))
 
     def _send(
-        self,
-        url: str,
-        params: dict[str, Any] | None,
-        timeout: float | None,
-        permit: PlatformPermit | None,
-    ) -> tuple[httpx.Response, _Host]:
+        self, url: str, timeout: float | None, permit: PlatformPermit | None
+    ) -> tuple[urllib3.BaseHTTPResponse, _Host]:
         key = host_key(url)
+        try:
+            if not key.startswith(("http://", "https://")):
+                raise LocationValueError("not an http(s) URL")
+            parts = urllib3.util.parse_url(url)
+            target = parts.request_uri
+            pool = self._pool(key)
+        except LocationValueError as exc:
+            raise PermanentTaskError(redact_text(f"cannot request {url}: {exc}")) from None
+        # Credentials in the URL are sent as Basic auth (and never shown: redact_text).
+        headers = None
+        if parts.auth is not None:
+            headers = {**self.headers, **urllib3.make_headers(basic_auth=unquote(parts.auth))}
         host = self._host(key)
         wait = host.limits.slot_wait_seconds
+        seconds = self.timeout_seconds if timeout is None else timeout
         # The platform's start first (fleet-wide), then this process's host slot.
         with permit.request() if permit is not None else nullcontext():
             if not host.slots.acquire(timeout=wait):
@@ -235,25 +264,31 @@ class PoliteClient:
                     time.sleep(delay)
                 sent = time.monotonic()
                 try:
-                    return self._client(key).get(
-                        url, params=params, timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+                    return pool.urlopen(
+                        "GET",
+                        target,
+                        headers=headers,
+                        redirect=False,
+                        timeout=urllib3.Timeout(connect=seconds, read=seconds),
                     ), host
-                except httpx.TimeoutException as exc:
-                    if permit is not None and not isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+                except HTTPError as exc:
+                    if _reached_the_host(exc) and permit is not None:
                         # The request reached the host, which may go on serving it after we gave
                         # up: its slot stays taken until the host's own timeout has passed.
                         elapsed = time.monotonic() - sent
                         permit.abandon(max(0.0, host.limits.server_timeout_seconds - elapsed))
-                    _platform_trouble(permit, f"timeout on GET {url}: {type(exc).__name__}", None, exc)
-                except httpx.TransportError as exc:
+                    if _reached_the_host(exc) or type(exc) is ConnectTimeoutError:
+                        _platform_trouble(permit, f"timeout on GET {url}: {type(exc).__name__}", None, exc)
                     _platform_trouble(permit, f"connection error on GET {url}: {exc}", None, exc)
             finally:
                 host.slots.release()
 
     @staticmethod
-    def _body(response: httpx.Response, host: _Host, permit: PlatformPermit | None) -> Any:
-        status = response.status_code
-        url = redact_text(str(response.request.url))
+    def _body(
+        url: str, response: urllib3.BaseHTTPResponse, host: _Host, permit: PlatformPermit | None
+    ) -> Any:
+        status = response.status
+        url = redact_text(url)
         if status == 429 or status >= 500:
             after = retry_after_seconds(response.headers.get("Retry-After"))
             if status == 429 and after:
@@ -268,11 +303,20 @@ class PoliteClient:
         # A 404 fails the task but does not switch the store off: a wrong path in the settings or a
         # proxy's hiccup answers 404 too, and one of those must not silence a whole platform.
         if status >= 400:
-            raise PermanentTaskError(redact_text(f"HTTP {status} for {url}: {response.text[:200]}"))
+            text = response.data[:200].decode("utf-8", "replace")
+            raise PermanentTaskError(redact_text(f"HTTP {status} for {url}: {text}"))
         try:
-            return response.json()
+            return json.loads(response.data)
         except ValueError as exc:
             raise PermanentTaskError(redact_text(f"{url} did not answer JSON: {exc}")) from exc
+
+
+def _reached_the_host(exc: HTTPError) -> bool:
+    """A timeout once the request was on its way: while it was written, or while its answer was
+    awaited (urllib3 reports the first as a ProtocolError around the socket's timeout)."""
+    return isinstance(exc, ReadTimeoutError) or (
+        isinstance(exc, ProtocolError) and any(isinstance(a, builtins.TimeoutError) for a in exc.args)
+    )
 
 
 def _check_host(url: str, allowed_hosts: Collection[str]) -> None:
