@@ -3929,8 +3929,17 @@ BEGIN
   IF p_products IS NULL OR jsonb_typeof(p_products) <> 'array' THEN
     PERFORM tq_refuse('store_menu', 'products', tq_shown(p_products::TEXT), 'must be a JSON array', v_hint);
   END IF;
+  seen := jsonb_array_length(p_products);
+  IF v_hash IS NOT DISTINCT FROM p_menu_hash THEN
+    UPDATE store_crawl_state c SET last_crawl_at = now() WHERE c.dispensary_id = p_dispensary_id;
+    unchanged := true; new := 0; changed := 0; gone := 0;
+    RETURN NEXT;
+    RETURN;
+  END IF;
+
   -- The first product the tables would refuse (NOT NULL, numeric(10, 2), a price below 0), by
-  -- its place and id, before anything is written.
+  -- its place and id, before anything is written. Checked only where the menu is written: an
+  -- unchanged menu (most of a resync) writes none of its products (0030).
   SELECT x.n - 1 AS n, x.p ->> 'id' AS id, p.problem
   INTO v_bad
   FROM jsonb_array_elements(p_products) WITH ORDINALITY AS x (p, n)
@@ -3969,14 +3978,6 @@ BEGIN
         FROM (SELECT y.id FROM jsonb_to_recordset(p_products) AS y (id TEXT) GROUP BY y.id HAVING count(*) > 1) x
       )
       USING ERRCODE = 'invalid_parameter_value', HINT = v_hint;
-  END IF;
-
-  seen := jsonb_array_length(p_products);
-  IF v_hash IS NOT DISTINCT FROM p_menu_hash THEN
-    UPDATE store_crawl_state c SET last_crawl_at = now() WHERE c.dispensary_id = p_dispensary_id;
-    unchanged := true; new := 0; changed := 0; gone := 0;
-    RETURN NEXT;
-    RETURN;
   END IF;
 
   WITH incoming AS (

@@ -589,6 +589,23 @@ def test_store_menu_with_the_same_hash_writes_nothing_but_the_crawl_time(
     }
 
 
+def test_store_menu_checks_products_only_where_it_writes_them(conn: psycopg.Connection, queue: TaskQueue):
+    """An unchanged hash writes none of the products, so they are not checked (0030); under a new
+    hash the same products are refused, and nothing is written."""
+    store, lease = menu_task(conn, queue)
+    store_menu(conn, lease, FIRST_MENU)
+    stored = menu_hash(normalise_menu(FIRST_MENU))
+    products, rows = products_of(conn, store), history(conn, store)
+    bad = Jsonb([{"id": "A", "price": "-1"}, {"id": "A"}])
+    call = "SELECT unchanged, seen FROM store_menu(%s, %s, %s, %s)"
+    assert conn.execute(call, (lease.task_id, lease.token, stored, bad)).fetchone() == (True, 2)
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match=r"product #0 \(id 'A'\) has no name"):
+        conn.execute(call, (lease.task_id, lease.token, "another", bad))
+    assert products_of(conn, store) == products
+    assert history(conn, store) == rows
+    assert crawl_state(conn, store)["menu_hash"] == stored
+
+
 def test_store_menu_records_exactly_what_changed(conn: psycopg.Connection, queue: TaskQueue):
     store, lease = menu_task(conn, queue)
     store_menu(conn, lease, FIRST_MENU)
