@@ -1,6 +1,7 @@
 """The crawl's pure parts, no database: menu validation and hashing, Retry-After, the per-host
 rate (GCRA), platform settings and adapters, and the handler registry's TQ_HANDLERS overrides."""
 
+import base64
 import email.utils
 import hashlib
 import itertools
@@ -8,11 +9,13 @@ import json
 import math
 import re
 import sys
+import threading
 import time
 import types
 import uuid
 from collections.abc import Iterator
 from decimal import Decimal
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,7 @@ from tq_pipelines.crawl.platforms import (
     load_platform_settings,
 )
 from tq_pipelines.handlers import BUILTIN, HandlerRegistryError, load_handlers, noop
-from tq_pipelines.queue.worker import PermanentTaskError
+from tq_pipelines.queue.worker import PermanentTaskError, TransientTaskError
 
 
 def product(**fields: Any) -> dict[str, Any]:
@@ -694,4 +697,54 @@ def test_a_closed_polite_client_sends_nothing_and_opens_no_pool():
     client.close()
     with pytest.raises(RuntimeError, match="closed"):
         client.get_json("http://127.0.0.1:9/menu")
-    assert client._pools == {}
+    assert client._managers == {}
+
+
+@pytest.fixture
+def forward_proxy() -> Iterator[tuple[str, list[tuple[str, str | None]]]]:
+    """A forward HTTP proxy that answers every request itself: its URL, and what it was asked
+    (the request's target, its Proxy-Authorization)."""
+    asked: list[tuple[str, str | None]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            asked.append((self.path, self.headers.get("Proxy-Authorization")))
+            body = json.dumps({"via": "proxy"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def test_the_environment_s_proxy_carries_the_requests_but_not_those_it_exempts(
+    forward_proxy: tuple[str, list[tuple[str, str | None]]], monkeypatch: pytest.MonkeyPatch
+):
+    """HTTP_PROXY is used, with its credentials; a host in NO_PROXY is asked directly (here a name
+    that does not resolve: a connection error, and the proxy hears nothing)."""
+    proxy, asked = forward_proxy
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", proxy.replace("http://", "http://fleet:pa%40ss@"))
+    monkeypatch.setenv("NO_PROXY", "direct.invalid")
+    with PoliteClient(timeout_seconds=5) as client:
+        assert client.get_json("http://menus.invalid/menus/1", {"page": 2}) == {"via": "proxy"}
+        with pytest.raises(
+            TransientTaskError, match=re.escape("connection error on GET http://direct.invalid/")
+        ):
+            client.get_json("http://direct.invalid/menus/1")
+    expected_auth = "Basic " + base64.b64encode(b"fleet:pa@ss").decode()
+    assert asked == [("http://menus.invalid/menus/1?page=2", expected_auth)]

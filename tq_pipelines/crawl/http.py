@@ -19,8 +19,10 @@ holding a worker thread. A 429 with Retry-After pauses the host for that long.
 import builtins
 import email.utils
 import json
+import os
 import threading
 import time
+import urllib.request
 from collections.abc import Collection
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -151,10 +153,10 @@ class PoliteClient:
         self.timeout_seconds = timeout_seconds
         self.headers = urllib3.make_headers(user_agent=user_agent, accept_encoding=True)
         self.headers["Accept"] = "application/json"
-        # One urllib3 pool per host: the client's work sits between a request's answer and the
-        # next request of its slot, and urllib3 takes about half of httpx's time there
+        # urllib3, a pool manager per host: the client's work sits between a request's answer and
+        # the next request of its slot, and urllib3 takes about half of httpx's time there
         # (bench/client_gap.py).
-        self._pools: dict[str, urllib3.HTTPConnectionPool] = {}
+        self._managers: dict[str, urllib3.PoolManager] = {}
         self._closed = False
         self._hosts: dict[str, _Host] = {}
         self._limits: dict[str, HostLimits] = {}
@@ -162,30 +164,18 @@ class PoliteClient:
 
     def close(self) -> None:
         with self._lock:
-            pools, self._pools, self._closed = list(self._pools.values()), {}, True
-        for pool in pools:
-            pool.close()
+            managers, self._managers, self._closed = list(self._managers.values()), {}, True
+        for manager in managers:
+            manager.clear()
 
-    def _pool(self, key: str) -> urllib3.HTTPConnectionPool:
+    def _manager(self, key: str) -> urllib3.PoolManager:
         with self._lock:
             if self._closed:
                 raise RuntimeError("this PoliteClient is closed")
-            pool = self._pools.get(key)
-            if pool is None:
-                tls = {"ca_certs": certifi.where()} if key.startswith("https:") else {}
-                pool = self._pools[key] = urllib3.connection_from_url(
-                    key,
-                    # The pool must not be the bottleneck: the per-host limits are. Past 256 idle
-                    # connections a request opens a new one rather than wait for one.
-                    maxsize=256,
-                    block=False,
-                    headers=self.headers,
-                    # No retry and no redirect of urllib3's own: each hop is a request under the
-                    # limits (get_json), and a retry is the queue's.
-                    retries=False,
-                    **tls,
-                )
-            return pool
+            manager = self._managers.get(key)
+            if manager is None:
+                manager = self._managers[key] = _manager_for(key, self.headers)
+            return manager
 
     def __enter__(self) -> "PoliteClient":
         return self
@@ -240,14 +230,13 @@ class PoliteClient:
             if not key.startswith(("http://", "https://")):
                 raise LocationValueError("not an http(s) URL")
             parts = urllib3.util.parse_url(url)
-            target = parts.request_uri
-            pool = self._pool(key)
+            manager = self._manager(key)
         except LocationValueError as exc:
             raise PermanentTaskError(redact_text(f"cannot request {url}: {exc}")) from None
         # Credentials in the URL are sent as Basic auth (and never shown: redact_text).
-        headers = None
+        headers = self.headers
         if parts.auth is not None:
-            headers = {**self.headers, **urllib3.make_headers(basic_auth=unquote(parts.auth))}
+            headers = {**headers, **urllib3.make_headers(basic_auth=unquote(parts.auth))}
         host = self._host(key)
         wait = host.limits.slot_wait_seconds
         seconds = self.timeout_seconds if timeout is None else timeout
@@ -264,11 +253,12 @@ class PoliteClient:
                     time.sleep(delay)
                 sent = time.monotonic()
                 try:
-                    return pool.urlopen(
+                    return manager.urlopen(
                         "GET",
-                        target,
+                        url,
                         headers=headers,
                         redirect=False,
+                        retries=False,
                         timeout=urllib3.Timeout(connect=seconds, read=seconds),
                     ), host
                 except HTTPError as exc:
@@ -309,6 +299,37 @@ class PoliteClient:
             return json.loads(response.data)
         except ValueError as exc:
             raise PermanentTaskError(redact_text(f"{url} did not answer JSON: {exc}")) from exc
+
+
+def _manager_for(key: str, headers: dict[str, str]) -> urllib3.PoolManager:
+    """The pools of one host (``scheme://host:port``), through the proxy the environment names
+    for it (``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``, minus ``NO_PROXY``), and for https
+    trusting ``SSL_CERT_FILE`` or ``SSL_CERT_DIR`` if set, else certifi's bundle."""
+    scheme, _, netloc = key.partition("://")
+    options: dict[str, Any] = {
+        # The pool must not be the bottleneck: the per-host limits are. Past 256 idle
+        # connections a request opens a new one rather than wait for one.
+        "maxsize": 256,
+        "block": False,
+        # No retry and no redirect of urllib3's own: each hop is a request under the limits
+        # (get_json), and a retry is the queue's.
+        "retries": False,
+    }
+    if scheme == "https":
+        if os.environ.get("SSL_CERT_FILE"):
+            options["ca_certs"] = os.environ["SSL_CERT_FILE"]
+        elif os.environ.get("SSL_CERT_DIR"):
+            options["ca_cert_dir"] = os.environ["SSL_CERT_DIR"]
+        else:
+            options["ca_certs"] = certifi.where()
+    proxies = urllib.request.getproxies_environment()
+    proxy = proxies.get(scheme) or proxies.get("all")
+    # proxy_bypass_environment reads NO_PROXY as urllib does (not in the stubs: private by name only).
+    if not proxy or urllib.request.proxy_bypass_environment(netloc, proxies):  # type: ignore[attr-defined]
+        return urllib3.PoolManager(headers=headers, **options)
+    auth = urllib3.util.parse_url(proxy).auth
+    proxy_headers = urllib3.make_headers(proxy_basic_auth=unquote(auth)) if auth else None
+    return urllib3.ProxyManager(proxy, headers=headers, proxy_headers=proxy_headers, **options)
 
 
 def _reached_the_host(exc: HTTPError) -> bool:
