@@ -701,16 +701,18 @@ def test_a_closed_polite_client_sends_nothing_and_opens_no_pool():
 
 
 @pytest.fixture
-def forward_proxy() -> Iterator[tuple[str, list[tuple[str, str | None]]]]:
+def forward_proxy() -> Iterator[tuple[str, list[tuple[str, str | None, str | None]]]]:
     """A forward HTTP proxy that answers every request itself: its URL, and what it was asked
-    (the request's target, its Proxy-Authorization)."""
-    asked: list[tuple[str, str | None]] = []
+    (the request's target, its Proxy-Authorization, its Authorization)."""
+    asked: list[tuple[str, str | None, str | None]] = []
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:
-            asked.append((self.path, self.headers.get("Proxy-Authorization")))
+            asked.append(
+                (self.path, self.headers.get("Proxy-Authorization"), self.headers.get("Authorization"))
+            )
             body = json.dumps({"via": "proxy"}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -731,20 +733,27 @@ def forward_proxy() -> Iterator[tuple[str, list[tuple[str, str | None]]]]:
 
 
 def test_the_environment_s_proxy_carries_the_requests_but_not_those_it_exempts(
-    forward_proxy: tuple[str, list[tuple[str, str | None]]], monkeypatch: pytest.MonkeyPatch
+    forward_proxy: tuple[str, list[tuple[str, str | None, str | None]]], monkeypatch: pytest.MonkeyPatch
 ):
-    """HTTP_PROXY is used, with its credentials; a host in NO_PROXY is asked directly (here a name
-    that does not resolve: a connection error, and the proxy hears nothing)."""
+    """HTTP_PROXY is used, with its credentials; the URL's own go in its Authorization header, not
+    in the request line; a host in NO_PROXY is asked directly (here a name that does not resolve:
+    a connection error, and the proxy hears nothing)."""
     proxy, asked = forward_proxy
     for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTP_PROXY", proxy.replace("http://", "http://fleet:pa%40ss@"))
     monkeypatch.setenv("NO_PROXY", "direct.invalid")
     with PoliteClient(timeout_seconds=5) as client:
-        assert client.get_json("http://menus.invalid/menus/1", {"page": 2}) == {"via": "proxy"}
+        assert client.get_json("http://menu:s3cret@menus.invalid/menus/1", {"page": 2}) == {"via": "proxy"}
         with pytest.raises(
             TransientTaskError, match=re.escape("connection error on GET http://direct.invalid/")
         ):
             client.get_json("http://direct.invalid/menus/1")
-    expected_auth = "Basic " + base64.b64encode(b"fleet:pa@ss").decode()
-    assert asked == [("http://menus.invalid/menus/1?page=2", expected_auth)]
+    basic = "Basic {}".format
+    assert asked == [
+        (
+            "http://menus.invalid/menus/1?page=2",
+            basic(base64.b64encode(b"fleet:pa@ss").decode()),
+            basic(base64.b64encode(b"menu:s3cret").decode()),
+        )
+    ]

@@ -255,7 +255,7 @@ class PoliteClient:
                 try:
                     return manager.urlopen(
                         "GET",
-                        url,
+                        parts._replace(auth=None).url,  # not in a proxy's request line
                         headers=headers,
                         redirect=False,
                         retries=False,
