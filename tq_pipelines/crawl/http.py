@@ -1,4 +1,4 @@
-"""HTTP for handlers: one urllib3 connection pool per host, politeness per platform and per host,
+"""HTTP for handlers: urllib3 with a pool manager per host, politeness per platform and per host,
 and errors classified.
 
 The limit that counts is the platform's, shared by every worker of the fleet: each request of a
@@ -262,12 +262,13 @@ class PoliteClient:
                         timeout=urllib3.Timeout(connect=seconds, read=seconds),
                     ), host
                 except HTTPError as exc:
-                    if _reached_the_host(exc) and permit is not None:
+                    reached = _reached_the_host(exc)
+                    if reached and permit is not None:
                         # The request reached the host, which may go on serving it after we gave
                         # up: its slot stays taken until the host's own timeout has passed.
                         elapsed = time.monotonic() - sent
                         permit.abandon(max(0.0, host.limits.server_timeout_seconds - elapsed))
-                    if _reached_the_host(exc) or type(exc) is ConnectTimeoutError:
+                    if reached or type(exc) is ConnectTimeoutError:
                         _platform_trouble(permit, f"timeout on GET {url}: {type(exc).__name__}", None, exc)
                     _platform_trouble(permit, f"connection error on GET {url}: {exc}", None, exc)
             finally:
