@@ -408,7 +408,7 @@ def main() -> None:
         # How the slots moved too: passed to a standby, handed off, and the standbys claimed.
         keys = (
             *("completed", "failed", "retried", "deferred", "lost"),
-            *("passes_to_standby", "hand_offs", "standby_claimed", "late_starts"),
+            *("passes_to_standby", "passes_relayed", "hand_offs", "standby_claimed", "late_starts"),
         )
         return {k: sum(r[k] for r in runs) for k in keys} | {"concurrency": runs[0]["concurrency"]}
 

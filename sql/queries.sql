@@ -259,6 +259,12 @@ SELECT (c.task).*, c.lease AS lease_token FROM platform_standby(%(task_id)s, %(l
 SELECT c.decision, c.wait_seconds, (c.task).*, c.lease AS lease_token
 FROM platform_pass(%(task_id)s, %(lease)s, %(next_id)s, %(next_lease)s, %(replace)s) c;
 
+-- name: platform_relay
+-- platform_pass with a relay for the slot's new holder, or (sent) the record of a relayed request
+-- (0031).
+SELECT c.decision, c.wait_seconds, c.relay, (c.task).*, c.lease AS lease_token
+FROM platform_relay(%(task_id)s, %(lease)s, %(next_id)s, %(next_lease)s, %(replace)s, %(sent)s) c;
+
 -- name: platform_abandon
 SELECT platform_abandon(%(task_id)s, %(lease)s, %(busy_seconds)s::FLOAT8) AS held;
 

@@ -1269,101 +1269,12 @@ COMMENT ON FUNCTION public.platform_handoff(p_task_id integer, p_lease uuid) IS 
 
 CREATE FUNCTION public.platform_pass(p_task_id integer, p_lease uuid, p_next_id integer, p_next_lease uuid, p_replace boolean) RETURNS TABLE(decision text, wait_seconds double precision, task public.worker_tasks, lease uuid)
     LANGUAGE plpgsql SECURITY DEFINER
-    SET enable_seqscan TO 'off'
     SET search_path TO 'public', 'pg_temp'
     AS $$
-DECLARE
-  v_from worker_tasks;
-  v_to worker_tasks;
-  l tq_platforms;
-  v_new INTEGER;
-  v_token UUID := gen_random_uuid();
-  v_now TIMESTAMPTZ;
-  v_base TIMESTAMPTZ;
-  v_start TIMESTAMPTZ;
 BEGIN
-  PERFORM tq_slot_commit();  -- 0025
-  -- Both rows locked in one statement, in id order: a heartbeat of the worker's tasks locks them too.
-  PERFORM 1
-  FROM worker_tasks t
-  WHERE t.id IN (p_task_id, p_next_id)
-  ORDER BY t.id
-  FOR UPDATE;
-  SELECT * INTO v_from
-  FROM worker_tasks t
-  WHERE t.id = p_task_id
-    AND t.lease_hash = tq_lease_hash(p_lease)
-    AND t.status IN ('claimed', 'running')
-    AND t.send_at IS NOT NULL;
-  IF FOUND THEN
-    SELECT * INTO v_to
-    FROM worker_tasks t
-    WHERE t.id = p_next_id
-      AND t.id <> p_task_id
-      AND t.lease_hash = tq_lease_hash(p_next_lease)
-      AND t.status IN ('claimed', 'running')
-      AND t.send_at IS NULL
-      AND t.worker_id = v_from.worker_id
-      AND t.platform = v_from.platform;
-  END IF;
-  IF v_to.id IS NULL THEN
-    -- Not the caller's, or not a standby of the same worker and platform: nothing moves.
-    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION, NULL::worker_tasks, NULL::UUID;
-    RETURN;
-  END IF;
-
-  -- The next standby in its place, picked before the platform's row is locked: the pick skips
-  -- what is locked and waits for nobody, and the row is held for the writes alone.
-  IF coalesce(p_replace, false) THEN
-    v_new := tq_pick_next(v_to.role, v_from.platform);
-  END IF;
-
-  SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_from.platform FOR UPDATE;
-  IF NOT FOUND THEN
-    -- A platform without limits has no slots to pass (the pick's locks go with the commit).
-    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION, NULL::worker_tasks, NULL::UUID;
-    RETURN;
-  END IF;
-  -- The rules of a hand-off (tq_claim_next): the passed slot counts as given back first.
-  l.in_flight := greatest(l.in_flight - 1, 0);
-  IF l.pauses > 0 OR coalesce(l.paused_until > now(), false)
-     OR tq_platform_quota(l) < 1
-     OR tq_worker_room(l, v_to.role, v_from.worker_id, p_task_id) < 1 THEN
-    UPDATE worker_tasks t SET send_at = NULL WHERE t.id = p_task_id;
-    RETURN QUERY SELECT
-      CASE WHEN l.pauses > 0 OR coalesce(l.paused_until > now(), false) THEN 'paused' ELSE 'full' END,
-      0.25::DOUBLE PRECISION, NULL::worker_tasks, NULL::UUID;
-    RETURN;
-  END IF;
-
-  -- The next start, reckoned from the clock under the row's lock (0019).
-  v_now := clock_timestamp();
-  v_base := greatest(l.tat, v_now);
-  v_start := greatest(v_now, v_base - make_interval(secs => tq_platform_tolerance(l.burst, l.requests_per_second)));
-  UPDATE tq_platforms p
-  SET tat = v_base + make_interval(secs => 1 / p.requests_per_second),
-      updated_at = now()
-  WHERE p.platform = l.platform;
-  -- One UPDATE, its triggers run once: the slot out of one task and into the next, and the
-  -- replacement claimed without one.
   RETURN QUERY
-  WITH moved AS (
-    UPDATE worker_tasks t
-    SET send_at = CASE WHEN t.id = p_next_id THEN v_start END,
-        status = CASE WHEN t.id = v_new THEN 'running' ELSE t.status END,
-        worker_id = CASE WHEN t.id = v_new THEN v_from.worker_id ELSE t.worker_id END,
-        claimed_at = CASE WHEN t.id = v_new THEN now() ELSE t.claimed_at END,
-        started_at = CASE WHEN t.id = v_new THEN now() ELSE t.started_at END,
-        completed_at = CASE WHEN t.id = v_new THEN NULL ELSE t.completed_at END,
-        last_heartbeat_at = CASE WHEN t.id = v_new THEN now() ELSE t.last_heartbeat_at END,
-        lease_hash = CASE WHEN t.id = v_new THEN tq_lease_hash(v_token) ELSE t.lease_hash END
-    WHERE t.id IN (p_task_id, p_next_id, v_new)
-    RETURNING t
-  )
-  SELECT 'go'::TEXT, greatest(extract(EPOCH FROM v_start - v_now), 0)::DOUBLE PRECISION,
-         m.t, CASE WHEN m.t IS NULL THEN NULL ELSE v_token END
-  FROM (SELECT 1) one
-  LEFT JOIN moved m ON (m.t).id = v_new;
+  SELECT c.decision, c.wait_seconds, c.task, c.lease
+  FROM tq_pass(p_task_id, p_lease, p_next_id, p_next_lease, p_replace, false, false) c;
 END;
 $$;
 
@@ -1398,6 +1309,21 @@ BEGIN
       tq_known_platforms_hint());
   END IF;
   RETURN v_until;
+END;
+$$;
+
+
+--
+-- Name: platform_relay(integer, uuid, integer, uuid, boolean, boolean); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.platform_relay(p_task_id integer, p_lease uuid, p_next_id integer, p_next_lease uuid, p_replace boolean, p_sent boolean) RETURNS TABLE(decision text, wait_seconds double precision, relay boolean, task public.worker_tasks, lease uuid)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+BEGIN
+  RETURN QUERY
+  SELECT * FROM tq_pass(p_task_id, p_lease, p_next_id, p_next_lease, p_replace, p_sent, true);
 END;
 $$;
 
@@ -3061,6 +2987,123 @@ BEGIN
   )
   UPDATE dispensaries SET crawl_enabled = false
   WHERE id = p_dispensary_id;
+END;
+$$;
+
+
+--
+-- Name: tq_pass(integer, uuid, integer, uuid, boolean, boolean, boolean); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_pass(p_task_id integer, p_lease uuid, p_next_id integer, p_next_lease uuid, p_replace boolean, p_sent boolean, p_relays boolean) RETURNS TABLE(decision text, wait_seconds double precision, relay boolean, task public.worker_tasks, lease uuid)
+    LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    AS $$
+DECLARE
+  v_from worker_tasks;
+  v_to worker_tasks;
+  l tq_platforms;
+  v_new INTEGER;
+  v_token UUID := gen_random_uuid();
+  v_now TIMESTAMPTZ;
+  v_base TIMESTAMPTZ;
+  v_start TIMESTAMPTZ;
+  v_open BOOLEAN;
+  v_relay BOOLEAN;
+BEGIN
+  PERFORM tq_slot_commit();  -- 0025
+  -- Both rows locked in one statement, in id order: a heartbeat of the worker's tasks locks them too.
+  PERFORM 1
+  FROM worker_tasks t
+  WHERE t.id IN (p_task_id, p_next_id)
+  ORDER BY t.id
+  FOR UPDATE;
+  SELECT * INTO v_from
+  FROM worker_tasks t
+  WHERE t.id = p_task_id
+    AND t.lease_hash = tq_lease_hash(p_lease)
+    AND t.status IN ('claimed', 'running')
+    AND t.send_at IS NOT NULL;
+  IF FOUND THEN
+    SELECT * INTO v_to
+    FROM worker_tasks t
+    WHERE t.id = p_next_id
+      AND t.id <> p_task_id
+      AND t.lease_hash = tq_lease_hash(p_next_lease)
+      AND t.status IN ('claimed', 'running')
+      AND t.send_at IS NULL
+      AND t.worker_id = v_from.worker_id
+      AND t.platform = v_from.platform;
+  END IF;
+  IF v_to.id IS NULL THEN
+    -- Not the caller's, or not a standby of the same worker and platform: nothing moves.
+    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION, false, NULL::worker_tasks, NULL::UUID;
+    RETURN;
+  END IF;
+
+  -- The next standby in its place, picked before the platform's row is locked: the pick skips
+  -- what is locked and waits for nobody, and the row is held for the writes alone.
+  IF coalesce(p_replace, false) THEN
+    v_new := tq_pick_next(v_to.role, v_from.platform);
+  END IF;
+
+  SELECT * INTO l FROM tq_platforms p WHERE p.platform = v_from.platform FOR UPDATE;
+  IF NOT FOUND THEN
+    -- A platform without limits has no slots to pass (the pick's locks go with the commit).
+    RETURN QUERY SELECT 'lost'::TEXT, 0::DOUBLE PRECISION, false, NULL::worker_tasks, NULL::UUID;
+    RETURN;
+  END IF;
+  -- The rules of a hand-off (tq_claim_next): the passed slot counts as given back first.
+  l.in_flight := greatest(l.in_flight - 1, 0);
+  v_open := NOT (l.pauses > 0 OR coalesce(l.paused_until > now(), false)
+                 OR tq_platform_quota(l) < 1
+                 OR tq_worker_room(l, v_to.role, v_from.worker_id, p_task_id) < 1);
+  IF NOT v_open AND NOT coalesce(p_sent, false) THEN
+    UPDATE worker_tasks t SET send_at = NULL WHERE t.id = p_task_id;
+    RETURN QUERY SELECT
+      CASE WHEN l.pauses > 0 OR coalesce(l.paused_until > now(), false) THEN 'paused' ELSE 'full' END,
+      0.25::DOUBLE PRECISION, false, NULL::worker_tasks, NULL::UUID;
+    RETURN;
+  END IF;
+  IF NOT v_open THEN
+    v_new := NULL;  -- a relay's record claims no standby where a pass would not (paused, full)
+  END IF;
+
+  -- The next start, reckoned from the clock under the row's lock (0019); a relayed request
+  -- went on a start reckoned when its relay was given.
+  v_now := clock_timestamp();
+  v_base := greatest(l.tat, v_now);
+  v_start := CASE WHEN coalesce(p_sent, false) THEN v_now
+    ELSE greatest(v_now, v_base - make_interval(secs => tq_platform_tolerance(l.burst, l.requests_per_second))) END;
+  v_relay := coalesce(p_relays, false) AND v_open AND l.tat <= v_now
+             AND l.max_in_flight <= 0.05 * l.requests_per_second;
+  IF v_relay OR NOT coalesce(p_sent, false) THEN
+    UPDATE tq_platforms p
+    SET tat = (CASE WHEN coalesce(p_sent, false) THEN v_now ELSE v_base + make_interval(secs => 1 / p.requests_per_second) END)
+              + CASE WHEN v_relay THEN make_interval(secs => 1 / p.requests_per_second) ELSE interval '0' END,
+        updated_at = now()
+    WHERE p.platform = l.platform;
+  END IF;
+  -- One UPDATE, its triggers run once: the slot out of one task and into the next, and the
+  -- replacement claimed without one.
+  RETURN QUERY
+  WITH moved AS (
+    UPDATE worker_tasks t
+    SET send_at = CASE WHEN t.id = p_next_id THEN v_start END,
+        status = CASE WHEN t.id = v_new THEN 'running' ELSE t.status END,
+        worker_id = CASE WHEN t.id = v_new THEN v_from.worker_id ELSE t.worker_id END,
+        claimed_at = CASE WHEN t.id = v_new THEN now() ELSE t.claimed_at END,
+        started_at = CASE WHEN t.id = v_new THEN now() ELSE t.started_at END,
+        completed_at = CASE WHEN t.id = v_new THEN NULL ELSE t.completed_at END,
+        last_heartbeat_at = CASE WHEN t.id = v_new THEN now() ELSE t.last_heartbeat_at END,
+        lease_hash = CASE WHEN t.id = v_new THEN tq_lease_hash(v_token) ELSE t.lease_hash END
+    WHERE t.id IN (p_task_id, p_next_id, v_new)
+    RETURNING t
+  )
+  SELECT 'go'::TEXT, greatest(extract(EPOCH FROM v_start - v_now), 0)::DOUBLE PRECISION, v_relay,
+         m.t, CASE WHEN m.t IS NULL THEN NULL ELSE v_token END
+  FROM (SELECT 1) one
+  LEFT JOIN moved m ON (m.t).id = v_new;
 END;
 $$;
 
@@ -5770,7 +5813,8 @@ INSERT INTO public.tq_api (function_name, for_worker) VALUES
 	('platform_abandon', true),
 	('archive_tasks', true),
 	('platform_standby', true),
-	('platform_pass', true);
+	('platform_pass', true),
+	('platform_relay', true);
 
 
 --

@@ -228,6 +228,46 @@ def test_drain_runs_at_once_keep_each_platforms_limits_at_the_server(
     assert {p: r["state"] for p, r in platform_rows(conn).items()} == dict.fromkeys(PLATFORMS, "open")
 
 
+# At 100 requests a second for 3 slots the rate has room for relays (0031): the standby sends on
+# the passer's relay before the pass is recorded.
+RELAY_LIMITS = {"max_in_flight": 3, "requests_per_second": 100, "burst": 3}
+
+
+def test_relayed_slots_keep_each_platforms_limits_at_the_server(
+    db_url: str,
+    conn: psycopg.Connection,
+    queue: TaskQueue,
+    simulate: Callable[..., SimulatorProcess],
+    tmp_path: Path,
+):
+    """Two drain runs at once, each with its threads and standbys: most passes go on relays,
+    sent before the queue records them, and the servers still never have more than 3 requests
+    in, nor more starts in a second than the rate and its burst; every store is crawled once."""
+    stores = 60
+    sim = simulate(stores=stores, latency_ms=40)
+    path = platforms_file(tmp_path, sim, {name: {**RELAY_LIMITS, "timeout_seconds": 5} for name in PLATFORMS})
+    platform_of = add_simulated_stores(conn, queue, sim)
+
+    metas = [op_metadata(r, "drain_role_tasks") for r in drains_at_once(db_url, path, 2)]
+    totals = {k: sum(m[k] for m in metas) for k in ("completed", "retried", "failed", "lost")}
+    assert totals == {"completed": len(platform_of), "retried": 0, "failed": 0, "lost": 0}
+    assert {s: (t[0], t[1]) for s, t in tasks_by_store(conn).items()} == dict.fromkeys(
+        platform_of, ("completed", 0)
+    )
+    relayed = sum(m["passes_relayed"] for m in metas)
+    assert relayed >= len(platform_of) // 4, metas
+
+    allowed = RELAY_LIMITS["requests_per_second"] + RELAY_LIMITS["burst"]
+    for name, platform in sim.platforms.items():
+        log = platform.request_log()
+        report = politeness_report(log, **RELAY_LIMITS)
+        assert Counter(status for _, _, status in log) == {200: stores}, name
+        assert report["max_in_flight"] <= RELAY_LIMITS["max_in_flight"], (name, report)
+        assert report["over_in_flight"] == 0, (name, report)
+        assert report["max_starts_sliding_1s"] <= allowed, (name, report)
+    assert_no_slots_held(conn)
+
+
 # -- 2. an outage -------------------------------------------------------------------------------
 
 OUTAGE_SECONDS = 2.0

@@ -171,9 +171,9 @@ def test_a_scan_of_a_roles_heads_has_one_index_to_take(conn: psycopg.Connection)
     assert [w for (w,) in walkers] == [
         "claim_tasks",
         "claim_wait",
-        "platform_pass",
         "platform_standby",
         "tq_claim_next",
+        "tq_pass",
         "tq_pick_next",
         "tq_raise_floors",
     ]

@@ -908,8 +908,10 @@ def test_a_pass_or_a_standby_needs_both_leases_and_one_worker(worker: Worker, co
     attacker holds a slot of its own and knows the victim's ids. Passing its slot to the victim's
     standby with a forged or missing token, passing the victim's slot, claiming a standby from the
     victim's task, and passing to a slotless task of another worker id (with both real tokens):
-    each answers 'lost' or nothing, and every table reads back as it was. Hoarding standbys stops
-    at twice the slots held. The victim's own pass then moves its slot."""
+    each answers 'lost' or nothing, and every table reads back as it was; so does platform_relay
+    (0031), asked for a pass or recording one sent on a relay, which skips the limits. Hoarding
+    standbys stops at twice the slots held. The victim's own record of a relay then moves its
+    slot."""
     with worker.connect() as victim, worker.connect() as attacker:
         v = victim_task(victim, conn, ROLE)
         for _ in range(6):
@@ -928,10 +930,17 @@ def test_a_pass_or_a_standby_needs_both_leases_and_one_worker(worker: Worker, co
             ((v.task_id, uuid.uuid4()), other),
             (mine, other),
         ):
-            assert attacker.execute(
-                "SELECT decision FROM platform_pass(%s, %s::UUID, %s, %s::UUID, true)", (*frm, *to)
-            ).fetchone() == ("lost",), (frm, to)
-            assert_unchanged(conn, before, f"platform_pass({frm[0]} -> {to[0]})")
+            for call in (
+                "platform_pass(%s, %s::UUID, %s, %s::UUID, true)",
+                "platform_relay(%s, %s::UUID, %s, %s::UUID, true, false)",
+                "platform_relay(%s, %s::UUID, %s, %s::UUID, true, true)",
+            ):
+                assert attacker.execute(f"SELECT decision FROM {call}", (*frm, *to)).fetchone() == ("lost",), (
+                    call,
+                    frm,
+                    to,
+                )
+                assert_unchanged(conn, before, f"{call}: {frm[0]} -> {to[0]}")
         for lease in (uuid.uuid4(), None, v.stale):
             assert attacker.execute(
                 "SELECT count(*) FROM platform_standby(%s, %s::UUID)", (v.task_id, lease)
@@ -948,7 +957,7 @@ def test_a_pass_or_a_standby_needs_both_leases_and_one_worker(worker: Worker, co
         assert_platform_counters_consistent(conn)
 
         assert victim.execute(
-            "SELECT decision FROM platform_pass(%s, %s, %s, %s, false)",
+            "SELECT decision FROM platform_relay(%s, %s, %s, %s, false, true)",
             (v.task_id, v.lease, standby_id, standby_lease),
         ).fetchone() == ("go",)
         assert conn.execute(

@@ -116,6 +116,8 @@ INVOKER_FUNCTIONS = {
     "tq_sync_limits",
     # slot bookkeeping without a flush wait, under the hand-off, a start and a release (0025)
     "tq_slot_commit",
+    # a pass, with or without a relay, under platform_pass and platform_relay (0031)
+    "tq_pass",
 }
 
 

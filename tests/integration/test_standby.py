@@ -103,6 +103,71 @@ def test_a_pass_keeps_the_workers_share(conn: psycopg.Connection, queue: TaskQue
     assert_platform_counters_consistent(conn)
 
 
+def tat(conn: psycopg.Connection, platform: str) -> float:
+    """The platform's GCRA tat, in seconds from the database's clock now (negative: behind it)."""
+    row = conn.execute(
+        "SELECT extract(EPOCH FROM tat - clock_timestamp())::FLOAT8 FROM tq_platforms WHERE platform = %s",
+        (platform,),
+    ).fetchone()
+    assert row is not None
+    return float(row[0])
+
+
+def test_a_relay_is_given_only_where_the_rate_has_room_and_its_record_moves_the_slot_alone(
+    conn: psycopg.Connection, queue: TaskQueue
+):
+    """0031. dutchie's rate is 20 times its slots, jane's 5 times: a pass on dutchie gives the
+    slot's new holder a relay (a start booked now: the tat moves two intervals), on jane none
+    (one interval). A relay's record moves the slot even while paused (the request is
+    out), books nothing then, and gives no relay; what does not match moves nothing."""
+    queue.sync_platform_limits([PlatformLimits("dutchie", 2, 40.0), PlatformLimits("jane", 2, 10.0)])
+    add_platform_tasks(conn, "dutchie", add_stores(conn, 8, platform="dutchie"))
+    add_platform_tasks(conn, "jane", add_stores(conn, 4, platform="jane"))
+    held = queue.claim_many(ROLE, "w", 4, start=True)
+    a, b = [t for t in held if t.platform == "dutchie"]
+    j1, _ = [t for t in held if t.platform == "jane"]
+    s1, s2, sj = queue.platform_standby(a), queue.platform_standby(b), queue.platform_standby(j1)
+    assert s1 is not None and s2 is not None and sj is not None
+
+    conn.execute("UPDATE tq_platforms SET tat = '-infinity'")
+    decision, relay, _ = queue.platform_relay(a, s1)
+    assert (decision.decision, relay) == ("go", True)
+    assert 0.04 < tat(conn, "dutchie") <= 0.05  # its start and the relay's, 25 ms each
+    assert not slot_of(conn, a.id) and slot_of(conn, s1.id) and in_flight(conn, "dutchie") == (2, 2)
+    decision, relay, _ = queue.platform_relay(j1, sj)
+    assert (decision.decision, relay) == ("go", False)
+    assert 0.09 < tat(conn, "jane") <= 0.1  # its start only, at 10/s
+
+    # A rate that binds now (its tat ahead of the clock, as the relay left it) gives no relay.
+    s3 = queue.platform_standby(s1)
+    assert s3 is not None
+    decision, relay, _ = queue.platform_relay(s1, s3)
+    assert (decision.decision, relay) == ("go", False)
+    assert slot_of(conn, s3.id) and in_flight(conn, "dutchie") == (2, 2)
+
+    # The record of a request sent on a relay: paused since, the slot moves all the same, and
+    # nothing is booked (the tat stays), nor a relay given.
+    s4 = queue.platform_standby(s3)
+    assert s4 is not None
+    queue.platform_pause("dutchie", 60, "maintenance")
+    before = tat(conn, "dutchie")
+    decision, relay, replacement = queue.platform_relay(s3, s4, replace=True, sent=True)
+    assert (decision.decision, relay, replacement) == ("go", False, None)  # no standby claimed while paused
+    assert not slot_of(conn, s3.id) and slot_of(conn, s4.id) and in_flight(conn, "dutchie") == (2, 2)
+    assert before - 0.02 < tat(conn, "dutchie") <= before
+    # What does not match moves nothing: from a task without a slot, to one that has one, across
+    # platforms, to itself.
+    for frm, to in ((s3, s2), (b, s4), (sj, s2), (b, b)):
+        assert queue.platform_relay(frm, to, replace=True, sent=True) == (
+            RequestDecision("lost", 0.0),
+            False,
+            None,
+        ), (frm.id, to.id)
+    assert slot_of(conn, b.id) and not slot_of(conn, s2.id) and in_flight(conn, "dutchie") == (2, 2)
+    assert_platform_counters_consistent(conn)
+    assert_store_state_consistent(conn)
+
+
 def test_passes_and_standbys_from_many_connections_take_each_task_once_within_the_limits(
     db_url: str, conn: psycopg.Connection, queue: TaskQueue
 ):
@@ -110,7 +175,8 @@ def test_passes_and_standbys_from_many_connections_take_each_task_once_within_th
     claims standbys for its worker and passes its slot to one, until the 400 tasks are taken.
     Each task is claimed once; the platform never counts more than its limit, a worker never more
     than its share, nor more tasks without a slot than twice its slots; every standby ends with
-    a slot, completed, or given back."""
+    a slot, completed, or given back. Half the threads pass with ``platform_relay`` and, given a
+    relay, record the next pass as sent on it (0031): the records race the passes and claims."""
     stores, max_in_flight = 400, 8
     queue.sync_platform_limits([PlatformLimits("dutchie", max_in_flight, 10_000.0)])
     add_platform_tasks(conn, "dutchie", add_stores(conn, stores, platform="dutchie"))
@@ -136,6 +202,17 @@ def test_passes_and_standbys_from_many_connections_take_each_task_once_within_th
                         if r[0] > max_in_flight or r[2] > 4 or r[3] > 2 * r[2]:
                             over.append(r)
 
+        relays = Counter[int]()
+
+        def pass_to(many: TaskQueue, i: int, task: Task, to: Task, replace: bool) -> Task | None:
+            if i % 2 == 0:
+                decision, new = many.platform_pass(task, to, replace=replace)
+            else:
+                decision, relay, new = many.platform_relay(task, to, replace=replace, sent=relays[task.id] > 0)
+                relays[to.id] += relay
+            assert decision.decision == "go"
+            return new
+
         def pass_on(many: TaskQueue, i: int) -> None:
             try:
                 task = held[i]
@@ -146,15 +223,13 @@ def test_passes_and_standbys_from_many_connections_take_each_task_once_within_th
                         break
                     taken[i].extend(s.id for s in ready)
                     # Every other pass claims a standby in the same statement, and passes to it.
-                    decision, new = many.platform_pass(task, ready[0], replace=len(ready) == 1)
-                    assert decision.decision == "go"
+                    new = pass_to(many, i, task, ready[0], len(ready) == 1)
                     assert many.complete(task, {"passed": True})
                     task = ready[0]
                     if new is not None:
                         assert (new.worker_id, new.send_at) == (task.worker_id, None)
                         taken[i].append(new.id)
-                        decision, again = many.platform_pass(task, new)
-                        assert decision.decision == "go" and again is None
+                        assert pass_to(many, i, task, new, False) is None
                         assert many.complete(task, {"passed": True})
                         task = new
                     for extra in ready[1:]:
@@ -181,6 +256,7 @@ def test_passes_and_standbys_from_many_connections_take_each_task_once_within_th
         for s in sessions:
             s.close()
     assert errors == []
+    assert sum(relays.values()) >= 20, relays
     ids = [i for chain in taken for i in chain]
     assert len(ids) == len(set(ids)) == stores
     assert over == []
@@ -234,6 +310,8 @@ def test_a_drain_passes_its_slots_to_standby_tasks_within_the_limit(
     assert (stats.completed, stats.failed, stats.lost, stats.deferred) == (60, 0, 0, 0)
     assert platform.served == 60 and platform.most == 3
     assert stats.passes >= 30, stats
+    # At 1,000 requests a second for 3 slots, most passes went on relays, sent before their record.
+    assert stats.relays >= stats.passes // 2, stats
     assert stats.standbys >= stats.passes
     assert status_counts(conn) == {"completed": 60}
     assert in_flight(conn, "dutchie") == (0, 0)
@@ -245,20 +323,21 @@ class SlowToAnswerPass(TaskQueue):
     """Passes answered 60 ms after they are asked for, as when the run's pooled connections
     are all busy with its handlers' reads and writes."""
 
-    def platform_pass(
-        self, held: Task, standby: Task, *, replace: bool = False
-    ) -> tuple[RequestDecision, Task | None]:
+    def platform_relay(
+        self, held: Task, standby: Task, *, replace: bool = False, sent: bool = False
+    ) -> tuple[RequestDecision, bool, Task | None]:
         time.sleep(0.06)
-        return super().platform_pass(held, standby, replace=replace)
+        return super().platform_relay(held, standby, replace=replace, sent=sent)
 
 
 def test_a_standby_reckons_its_start_from_the_pass_s_answer(conn: psycopg.Connection, queue: TaskQueue):
     """A pass's start is reckoned from its answer, however long the call waited before its
     statement ran: the standby sends at once, rather than take the wait for lateness and ask
-    PostgreSQL for another start (or, where a rate binds, send that much before its start)."""
-    queue.sync_platform_limits([PlatformLimits("dutchie", 3, 1000.0)])
+    PostgreSQL for another start (or, where a rate binds, send that much before its start). At
+    50 requests a second for 3 slots the queue gives no relays: every standby waits for its pass."""
+    queue.sync_platform_limits([PlatformLimits("dutchie", 3, 50.0)])
     add_platform_tasks(conn, "dutchie", add_stores(conn, 60, platform="dutchie"))
-    platform = Platform(0.02)
+    platform = Platform(0.1)
 
     def handler(task: Task, ctx: TaskContext) -> None:
         platform.request(ctx)
@@ -268,7 +347,7 @@ def test_a_standby_reckons_its_start_from_the_pass_s_answer(conn: psycopg.Connec
     stats = worker.run()
     assert (stats.completed, stats.failed, stats.lost, stats.deferred) == (60, 0, 0, 0)
     assert platform.served == 60 and platform.most == 3
-    assert stats.passes >= 10, stats
+    assert stats.passes >= 10 and stats.relays == 0, stats
     # Each pass's standby would be 60 ms late for a start reckoned from the call; a few may
     # wake late on a busy machine.
     assert stats.late_starts <= stats.passes // 4, stats

@@ -681,6 +681,26 @@ class TaskQueue:
         new = Task(**{f: row[f] for f in _TASK_FIELDS if f in row}) if row["id"] is not None else None
         return RequestDecision(row["decision"], float(row["wait_seconds"])), new
 
+    def platform_relay(
+        self, held: Held, standby: Held, *, replace: bool = False, sent: bool = False
+    ) -> tuple[RequestDecision, bool, Task | None]:
+        """:meth:`platform_pass` that may also give ``standby`` a relay (True): the start of the
+        next request of its slot, reckoned now, for the standby it passes the slot to in turn to
+        send at once. Given only where the rate has room for it (0031). With ``sent``, the
+        record of a request ``standby`` already sent on the relay of ``held``: the slot moves
+        whatever the limits say now ('go', no start), or nothing moves ('lost')."""
+        lease, nxt = _lease(held), _lease(standby)
+        params = {
+            **lease.params,
+            "next_id": nxt.task_id,
+            "next_lease": nxt.token,
+            "replace": replace,
+            "sent": sent,
+        }
+        row = self._one("platform_relay", params)
+        new = Task(**{f: row[f] for f in _TASK_FIELDS if f in row}) if row["id"] is not None else None
+        return RequestDecision(row["decision"], float(row["wait_seconds"])), bool(row["relay"]), new
+
     def platform_abandon(self, held: Held, busy_seconds: float) -> bool:
         """The client gave up on the task's request, which the platform may serve for up to
         ``busy_seconds`` more: the task's slot stays taken until then, whatever becomes of the

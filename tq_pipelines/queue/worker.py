@@ -51,6 +51,14 @@ MAX_LATE_STARTS = 4
 STANDBY_PER_PLATFORM = 2
 STANDBY_WAIT_SECONDS = 5.0
 
+# A relay (0031), the start of a slot's next request given with a pass, is used within this long
+# of its answer or not at all: the queue's bound on the requests relays add to any second of a
+# platform holds for relays used within a second. A standby passed a relay sends at once.
+RELAY_SECONDS = 0.9
+# How long a standby sent on a relay waits, when it is done with its requests, for the record
+# of that relay (the slot's move in PostgreSQL) before it passes the slot on in turn.
+RELAY_RECORD_WAIT_SECONDS = 30.0
+
 
 class PermanentTaskError(Exception):
     """Raised by a handler for a failure that a retry cannot fix: the task fails at once."""
@@ -175,7 +183,7 @@ class PlatformPermit:
         task: Task,
         lease_lost: threading.Event,
         on_release: Callable[[str], None] | None = None,
-        hand_off: Callable[[Task], bool] | None = None,
+        hand_off: Callable[["PlatformPermit"], bool] | None = None,
         line: StandbyLine | None = None,
     ) -> None:
         self.queue = queue
@@ -186,7 +194,14 @@ class PlatformPermit:
         self.standby = line is not None
         self.waiting = False
         self._passed = threading.Event()
-        self._pass: tuple[float, RequestDecision | None] = (0.0, None)
+        self._pass: tuple[float, RequestDecision | None, float | None] = (0.0, None, None)
+        # A relay this task holds (0031): until this time.monotonic(), the standby it passes its
+        # slot to may send at once, the pass recorded after. None: none.
+        self.relay_until: float | None = None
+        # Cleared while a relay's record is on its way: the slot is this task's in PostgreSQL
+        # only once it is set again.
+        self.recorded = threading.Event()
+        self.recorded.set()
         self.task = task
         self.platform = task.platform or ""
         self.lease_lost = lease_lost
@@ -212,8 +227,10 @@ class PlatformPermit:
                     f"task {self.task.id} gave its {self.platform} slot back and cannot send more requests"
                 )
             first = self.requests == 0
+            # Sent at once up to this time.monotonic(), whatever the start: a relay's (0031).
+            relayed_until: float | None = None
             if first and self.standby:
-                due = self._await_pass()
+                due, relayed_until = self._await_pass()
             elif first and self.first_start is not None:
                 claimed, delay = self.first_start
                 due = claimed + delay
@@ -226,7 +243,8 @@ class PlatformPermit:
                 wait = due - time.monotonic()
                 if wait > 0 and self.lease_lost.wait(wait):
                     raise LeaseLostError(f"lease on task {self.task.id} lost while waiting to send")
-                if time.monotonic() - due <= LATE_START_SECONDS:
+                now = time.monotonic()
+                if now - due <= LATE_START_SECONDS or (relayed_until is not None and now <= relayed_until):
                     break
                 # Woken late (a busy machine, a stalled process): sent now, the request would
                 # arrive among the starts given after its own. PostgreSQL keeps a claim's start
@@ -240,14 +258,17 @@ class PlatformPermit:
             self.requests += 1
             yield
 
-    def passed(self, answered: float, decision: RequestDecision | None) -> None:
+    def passed(
+        self, answered: float, decision: RequestDecision | None, relayed_until: float | None = None
+    ) -> None:
         """The answer to a standby: a slot passed on ('go', its start ``decision.wait_seconds``
-        after ``answered``, the ``time.monotonic()`` the pass returned), none (anything else: ask
-        for one), or None: the worker is stopping."""
-        self._pass = (answered, decision)
+        after ``answered``, the ``time.monotonic()`` the pass returned; or, ``relayed_until``
+        given, at once on the passer's relay, sent up to then), none (anything else: ask for
+        one), or None: the worker is stopping."""
+        self._pass = (answered, decision, relayed_until)
         self._passed.set()
 
-    def _await_pass(self) -> float:
+    def _await_pass(self) -> tuple[float, float | None]:
         """A standby's first request: wait in line for a slot passed on. Told to ask (a slot came
         back with no pass, or a pass failed), it asks for one of its own and, the platform full
         again (another claim took it), goes back in line. After ``STANDBY_WAIT_SECONDS`` it leaves
@@ -257,17 +278,17 @@ class PlatformPermit:
         try:
             while True:
                 if self._passed.wait(0.25):
-                    answered, decision = self._pass
+                    answered, decision, relayed_until = self._pass
                     self._passed.clear()
                     if decision is None:
                         raise self._stopping()
                     if decision.decision == "go":
                         self.standby = False
-                        return answered + decision.wait_seconds
+                        return answered + decision.wait_seconds, relayed_until
                     due = self._start(True)
                     if due is not None:
                         self.standby = False
-                        return due
+                        return due, None
                     if self.line is None or not self.line.add(self):
                         raise self._stopping()
                     continue
@@ -278,7 +299,7 @@ class PlatformPermit:
                     if gone:
                         raise LeaseLostError(f"lease on task {self.task.id} lost while waiting for a slot")
                     self.standby = False
-                    return self._ask(True)
+                    return self._ask(True), None
         finally:
             self.waiting = False
 
@@ -323,7 +344,9 @@ class PlatformPermit:
                     if self.line is not None:
                         self.line.withdraw(self)
                     return
-                if self.hand_off is not None and self.hand_off(self.task):
+                # A relay's record first: until it lands, the slot is the passer's in PostgreSQL.
+                self.recorded.wait(RELAY_RECORD_WAIT_SECONDS)
+                if self.hand_off is not None and self.hand_off(self):
                     return
                 self.queue.platform_release(self.task)
                 if self.on_release is not None:
@@ -455,6 +478,8 @@ class DrainStats:
     hand_offs: int = 0
     passes: int = 0
     standbys: int = 0
+    # Passes whose standby sent on the passer's relay before the pass was recorded (0031).
+    relays: int = 0
     # Requests whose thread woke too late for its start and asked for another (0019).
     late_starts: int = 0
     handler_seconds: float = 0.0
@@ -855,13 +880,15 @@ class Worker:
             handed, self._handed = self._handed, []
         running.update(handed)
 
-    def _hand_off(self, task: Task) -> bool:
+    def _hand_off(self, permit: PlatformPermit) -> bool:
         """From a handler thread done with its platform's requests: pass the slot on without
         waiting for the main loop. To a standby task of the platform if one is in line (one short
-        call, ``platform_pass``, and its thread sends at once); else to the next due task, claimed
-        and started in a free thread in the same call (``platform_handoff``). Then the line is
-        topped up. False, doing nothing, when the worker is stopping or out of time, or no thread
-        is free for a hand-off: the slot is then released."""
+        call, ``platform_relay``, and its thread sends at once; with a relay, it sends before the
+        call); else to the next due task, claimed and started in a free thread in the same call
+        (``platform_handoff``). Then the line is topped up. False, doing nothing, when the worker
+        is stopping or out of time, or no thread is free for a hand-off: the slot is then
+        released."""
+        task = permit.task
         with self._lock:
             if (
                 self._pool is None
@@ -877,31 +904,7 @@ class Worker:
                 return False
             self._busy += thread
         if standby is not None:
-            decision = RequestDecision("full", 0.0)
-            replacement = None
-            try:
-                decision, replacement = self.queue.platform_pass(task, standby.task, replace=thread)
-            finally:
-                # On an error too: the standby asks on its own. Its start is reckoned from the
-                # answer, as a request's (_start): from the call, a wait for a pooled connection
-                # would send it early where a rate binds, and late (asking again) where none does.
-                standby.passed(time.monotonic(), decision)
-                if thread and replacement is None:
-                    with self._lock:
-                        self._busy -= 1
-            if replacement is not None:
-                self._start_standby(replacement)
-            if decision.decision == "lost":
-                return False  # nothing moved: the slot, if still ours, goes back
-            if decision.decision == "go":
-                with self._lock:
-                    self.stats.passes += 1
-                self._top_up(standby.task)
-            else:
-                # It went back alone (paused, or the limits shrank): the main loop may claim.
-                self._slot_freed.set()
-                self._wake.set()
-            return True
+            return self._pass(permit, standby, thread)
         asked = time.monotonic()  # the hand-off's claimed_at, as the main loop's claims
         try:
             nxt = self.queue.platform_handoff(task)
@@ -922,6 +925,50 @@ class Worker:
             with self._lock:
                 self.stats.hand_offs += 1
             self._top_up(nxt)
+        return True
+
+    def _pass(self, permit: PlatformPermit, standby: PlatformPermit, thread: bool) -> bool:
+        """The slot of ``permit`` to ``standby`` (taken from the line), with a standby claimed in
+        its place when ``thread`` (one taken for it). With a relay still good, the standby sends
+        first and the pass is its record; else the standby waits for the pass's start."""
+        relay = permit.relay_until
+        sent = relay is not None and time.monotonic() < relay
+        if sent:
+            standby.recorded.clear()
+            standby.passed(time.monotonic(), RequestDecision("go", 0.0), relayed_until=relay)
+        decision = RequestDecision("full", 0.0)
+        replacement = None
+        asked = time.monotonic()  # a relay is good from before it was given: never longer
+        try:
+            decision, relayed, replacement = self.queue.platform_relay(
+                permit.task, standby.task, replace=thread, sent=sent
+            )
+            if relayed:
+                standby.relay_until = asked + RELAY_SECONDS
+        finally:
+            if sent:
+                standby.recorded.set()
+            else:
+                # On an error too: the standby asks on its own. Its start is reckoned from the
+                # answer, as a request's (_start): from the call, a wait for a pooled connection
+                # would send it early where a rate binds, and late (asking again) where none does.
+                standby.passed(time.monotonic(), decision)
+            if thread and replacement is None:
+                with self._lock:
+                    self._busy -= 1
+        if replacement is not None:
+            self._start_standby(replacement)
+        if decision.decision == "lost":
+            return False  # nothing moved: the slot, if still ours, goes back
+        if decision.decision == "go":
+            with self._lock:
+                self.stats.passes += 1
+                self.stats.relays += sent
+            self._top_up(standby.task)
+        else:
+            # It went back alone (paused, or the limits shrank): the main loop may claim.
+            self._slot_freed.set()
+            self._wake.set()
         return True
 
     def _start_handed(self, ctx: TaskContext) -> bool:
