@@ -935,11 +935,8 @@ def test_a_pass_or_a_standby_needs_both_leases_and_one_worker(worker: Worker, co
                 "platform_relay(%s, %s::UUID, %s, %s::UUID, true, false)",
                 "platform_relay(%s, %s::UUID, %s, %s::UUID, true, true)",
             ):
-                assert attacker.execute(f"SELECT decision FROM {call}", (*frm, *to)).fetchone() == ("lost",), (
-                    call,
-                    frm,
-                    to,
-                )
+                answer = attacker.execute(f"SELECT decision FROM {call}", (*frm, *to)).fetchone()
+                assert answer == ("lost",), (call, frm, to)
                 assert_unchanged(conn, before, f"{call}: {frm[0]} -> {to[0]}")
         for lease in (uuid.uuid4(), None, v.stale):
             assert attacker.execute(

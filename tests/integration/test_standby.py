@@ -208,7 +208,8 @@ def test_passes_and_standbys_from_many_connections_take_each_task_once_within_th
             if i % 2 == 0:
                 decision, new = many.platform_pass(task, to, replace=replace)
             else:
-                decision, relay, new = many.platform_relay(task, to, replace=replace, sent=relays[task.id] > 0)
+                sent = relays[task.id] > 0  # as if its standby had sent on the relay it holds
+                decision, relay, new = many.platform_relay(task, to, replace=replace, sent=sent)
                 relays[to.id] += relay
             assert decision.decision == "go"
             return new
