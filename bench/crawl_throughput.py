@@ -410,7 +410,7 @@ def main() -> None:
             *("completed", "failed", "retried", "deferred", "lost"),
             *("passes_to_standby", "passes_relayed", "hand_offs", "standby_claimed", "late_starts"),
         )
-        return {k: sum(r[k] for r in runs) for k in keys} | {"concurrency": runs[0]["concurrency"]}
+        return {k: sum(r.get(k, 0) for r in runs) for k in keys} | {"concurrency": runs[0]["concurrency"]}
 
     def spread(counts: list[int]) -> float | None:
         return round(max(counts) / min(counts), 2) if counts and min(counts) > 0 else None

@@ -58,6 +58,8 @@ RELAY_SECONDS = 0.9
 # How long a standby sent on a relay waits, when it is done with its requests, for the record
 # of that relay (the slot's move in PostgreSQL) before it passes the slot on in turn.
 RELAY_RECORD_WAIT_SECONDS = 30.0
+# How long a passer that relayed waits for its standby's request to go before it records the pass.
+RELAY_SEND_WAIT_SECONDS = 0.02
 
 
 class PermanentTaskError(Exception):
@@ -202,6 +204,8 @@ class PlatformPermit:
         # only once it is set again.
         self.recorded = threading.Event()
         self.recorded.set()
+        # Set as its first request goes: a passer that relayed to it records the pass after.
+        self.sending = threading.Event()
         self.task = task
         self.platform = task.platform or ""
         self.lease_lost = lease_lost
@@ -256,6 +260,7 @@ class PlatformPermit:
                     raise DeferTask(1.0, reason)
                 due = self._ask(first)
             self.requests += 1
+            self.sending.set()
             yield
 
     def passed(
@@ -359,6 +364,8 @@ class PlatformPermit:
         holds the request (inside :meth:`request`)."""
         if not self.released:
             self.released = True
+            # Sent on a relay: the slot is this task's in PostgreSQL once the relay is recorded.
+            self.recorded.wait(RELAY_RECORD_WAIT_SECONDS)
             self.queue.platform_abandon(self.task, busy_seconds)
 
     def report_answer(self) -> None:
@@ -936,6 +943,9 @@ class Worker:
         if sent:
             standby.recorded.clear()
             standby.passed(time.monotonic(), RequestDecision("go", 0.0), relayed_until=relay)
+            # Its request first: the record would take the process's time from the send. (A
+            # standby not yet at its request is not waited for long.)
+            standby.sending.wait(RELAY_SEND_WAIT_SECONDS)
         decision = RequestDecision("full", 0.0)
         replacement = None
         asked = time.monotonic()  # a relay is good from before it was given: never longer
