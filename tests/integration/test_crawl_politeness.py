@@ -156,6 +156,22 @@ def assert_no_slots_held(conn: psycopg.Connection) -> None:
     )
 
 
+def assert_polite(sim: SimulatorProcess, limits: dict[str, Any], stores: int) -> None:
+    """Politeness at each server, which answered each of its ``stores`` once: never more than
+    max_in_flight at once, never more starts in a second (calendar or sliding) than the rate plus
+    its burst."""
+    allowed = limits["requests_per_second"] + limits["burst"]
+    for name, platform in sim.platforms.items():
+        log = platform.request_log()
+        report = politeness_report(log, **limits)
+        assert Counter(status for _, _, status in log) == {200: stores}, name
+        assert report["max_in_flight"] <= limits["max_in_flight"], (name, report)
+        assert report["over_in_flight"] == 0, (name, report)
+        assert report["seconds_over_rate"] == 0, (name, report)
+        assert report["max_starts_per_second"] <= allowed, (name, report)
+        assert report["max_starts_sliding_1s"] <= allowed, (name, report)
+
+
 # -- 1. several drain runs at once ---------------------------------------------------------------
 
 LIMITS = {"max_in_flight": 2, "requests_per_second": 8, "burst": 2}
@@ -211,19 +227,7 @@ def test_drain_runs_at_once_keep_each_platforms_limits_at_the_server(
     ).fetchall()
     assert all(n >= 2 for _, n in workers), workers
 
-    # Politeness at each server: never more than max_in_flight at once, never more starts in a
-    # second (calendar or sliding) than the rate plus its burst.
-    allowed = LIMITS["requests_per_second"] + LIMITS["burst"]
-    for name, platform in sim.platforms.items():
-        log = platform.request_log()
-        report = politeness_report(log, **LIMITS)
-        assert Counter(status for _, _, status in log) == {200: stores}, name
-        assert report["max_in_flight"] <= LIMITS["max_in_flight"], (name, report)
-        assert report["over_in_flight"] == 0, (name, report)
-        assert report["seconds_over_rate"] == 0, (name, report)
-        assert report["max_starts_per_second"] <= allowed, (name, report)
-        assert report["max_starts_sliding_1s"] <= allowed, (name, report)
-
+    assert_polite(sim, LIMITS, stores)
     assert_no_slots_held(conn)
     assert {p: r["state"] for p, r in platform_rows(conn).items()} == dict.fromkeys(PLATFORMS, "open")
 
@@ -257,14 +261,7 @@ def test_relayed_slots_keep_each_platforms_limits_at_the_server(
     relayed = sum(m["passes_relayed"] for m in metas)
     assert relayed >= len(platform_of) // 4, metas
 
-    allowed = RELAY_LIMITS["requests_per_second"] + RELAY_LIMITS["burst"]
-    for name, platform in sim.platforms.items():
-        log = platform.request_log()
-        report = politeness_report(log, **RELAY_LIMITS)
-        assert Counter(status for _, _, status in log) == {200: stores}, name
-        assert report["max_in_flight"] <= RELAY_LIMITS["max_in_flight"], (name, report)
-        assert report["over_in_flight"] == 0, (name, report)
-        assert report["max_starts_sliding_1s"] <= allowed, (name, report)
+    assert_polite(sim, RELAY_LIMITS, stores)
     assert_no_slots_held(conn)
 
 
