@@ -232,9 +232,10 @@ def test_drain_runs_at_once_keep_each_platforms_limits_at_the_server(
     assert {p: r["state"] for p, r in platform_rows(conn).items()} == dict.fromkeys(PLATFORMS, "open")
 
 
-# At 100 requests a second for 3 slots the rate has room for relays (0031): the standby sends on
-# the passer's relay before the pass is recorded.
-RELAY_LIMITS = {"max_in_flight": 3, "requests_per_second": 100, "burst": 3}
+# At 40 requests a second for 2 slots the rate may give relays (0031), and with answers in 17-53 ms
+# (up to 57 a second for 2 slots) it binds too: the standby sends on the passer's relay only where
+# the rate has room, and the servers hear close to the rate.
+RELAY_LIMITS = {"max_in_flight": 2, "requests_per_second": 40, "burst": 2}
 
 
 def test_relayed_slots_keep_each_platforms_limits_at_the_server(
@@ -244,11 +245,11 @@ def test_relayed_slots_keep_each_platforms_limits_at_the_server(
     simulate: Callable[..., SimulatorProcess],
     tmp_path: Path,
 ):
-    """Two drain runs at once, each with its threads and standbys: most passes go on relays,
-    sent before the queue records them, and the servers still never have more than 3 requests
-    in, nor more starts in a second than the rate and its burst; every store is crawled once."""
-    stores = 60
-    sim = simulate(stores=stores, latency_ms=40)
+    """Two drain runs at once, each with its threads and standbys: many passes go on relays,
+    sent before the queue records them, and the servers still never have more than 2 requests
+    in, nor more starts in any second than the rate and its burst; every store is crawled once."""
+    stores = 120
+    sim = simulate(stores=stores, latency_ms=35)
     path = platforms_file(tmp_path, sim, {name: {**RELAY_LIMITS, "timeout_seconds": 5} for name in PLATFORMS})
     platform_of = add_simulated_stores(conn, queue, sim)
 
@@ -259,7 +260,7 @@ def test_relayed_slots_keep_each_platforms_limits_at_the_server(
         platform_of, ("completed", 0)
     )
     relayed = sum(m["passes_relayed"] for m in metas)
-    assert relayed >= len(platform_of) // 4, metas
+    assert relayed >= len(platform_of) // 10, metas
 
     assert_polite(sim, RELAY_LIMITS, stores)
     assert_no_slots_held(conn)

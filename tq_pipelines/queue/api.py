@@ -658,7 +658,7 @@ class TaskQueue:
 
     def platform_standby(self, held: Held) -> Task | None:
         """From a task holding a slot of its platform: claim the next due task of that platform
-        for the same worker, without a slot (a standby: it waits for :meth:`platform_pass`). At
+        for the same worker, without a slot (a standby: it waits for :meth:`platform_relay`). At
         most as many as the worker holds slots there; None when none is due, or the platform is
         paused or has no limits."""
         lease = _lease(held)

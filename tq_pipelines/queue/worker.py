@@ -91,7 +91,7 @@ class LeaseLostError(Exception):
 class StandbyLine:
     """A worker's standby tasks, per platform: claimed without a slot (``platform_standby``), their
     handlers waiting at their first request for a slot a finished task passes on
-    (``platform_pass``). Closed when the worker stops: no task waits for a slot after that."""
+    (``platform_relay``). Closed when the worker stops: no task waits for a slot after that."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -167,8 +167,10 @@ class PlatformPermit:
 
     The claim counted the task in its platform's slots and reserved the start of its first
     request; each further request takes the next start the platform's rate allows. Every request
-    asks PostgreSQL first, so a pause reaches tasks already claimed. A task's requests go one at
-    a time: its one slot covers one request in flight. HTTP clients call :meth:`request` around
+    asks PostgreSQL first, so a pause reaches tasks already claimed, except a standby's first
+    sent on a relay: a start booked with its slot's last pass, at most 0.9 s before (0031). A
+    task's requests go one at a time: its one slot covers one request in flight. HTTP clients
+    call :meth:`request` around
     each request (``tq_pipelines.crawl.http.PoliteClient`` does), :meth:`report_error` for
     answers that speak of the platform (5xx, 429, timeouts) and :meth:`report_answer` for the
     others (which reopens a half-open platform when this task is its probe). A handler done with
@@ -231,6 +233,9 @@ class PlatformPermit:
                     f"task {self.task.id} gave its {self.platform} slot back and cannot send more requests"
                 )
             first = self.requests == 0
+            if not first:
+                # Sent on a relay: the slot is this task's in PostgreSQL once that is recorded.
+                self.recorded.wait(RELAY_RECORD_WAIT_SECONDS)
             # Sent at once up to this time.monotonic(), whatever the start: a relay's (0031).
             relayed_until: float | None = None
             if first and self.standby:
@@ -938,8 +943,16 @@ class Worker:
         """The slot of ``permit`` to ``standby`` (taken from the line), with a standby claimed in
         its place when ``thread`` (one taken for it). With a relay still good, the standby sends
         first and the pass is its record; else the standby waits for the pass's start."""
+        # A relay goes only to a standby already at its request, and from tasks both still held
+        # as far as the heartbeat knows: its request goes before anything is asked.
         relay = permit.relay_until
-        sent = relay is not None and time.monotonic() < relay
+        sent = (
+            relay is not None
+            and time.monotonic() < relay
+            and standby.waiting
+            and not permit.lease_lost.is_set()
+            and not standby.lease_lost.is_set()
+        )
         if sent:
             standby.recorded.clear()
             standby.passed(time.monotonic(), RequestDecision("go", 0.0), relayed_until=relay)
@@ -969,7 +982,16 @@ class Worker:
         if replacement is not None:
             self._start_standby(replacement)
         if decision.decision == "lost":
-            return False  # nothing moved: the slot, if still ours, goes back
+            # Nothing moved. Passed, the slot (if still ours) goes back; relayed, it stays with
+            # its task until the task's outcome: the standby's request is out.
+            if sent:
+                self.log.warning(
+                    "task %s: the pass of its %s slot to task %s was sent on a relay and not recorded",
+                    permit.task.id,
+                    permit.platform,
+                    standby.task.id,
+                )
+            return sent
         if decision.decision == "go":
             with self._lock:
                 self.stats.passes += 1
