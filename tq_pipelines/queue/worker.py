@@ -170,15 +170,15 @@ class PlatformPermit:
     asks PostgreSQL first, so a pause reaches tasks already claimed, except a standby's first
     sent on a relay: a start booked with its slot's last pass, at most 0.9 s before (0031). A
     task's requests go one at a time: its one slot covers one request in flight. HTTP clients
-    call :meth:`request` around
-    each request (``tq_pipelines.crawl.http.PoliteClient`` does), :meth:`report_error` for
-    answers that speak of the platform (5xx, 429, timeouts) and :meth:`report_answer` for the
-    others (which reopens a half-open platform when this task is its probe). A handler done with
-    its requests calls :meth:`release` (``ctx.release_platform()``) so that the slot serves
-    another task while it stores what it fetched; else the slot goes back with its outcome.
-    With ``hand_off`` (the worker's), the release passes the slot straight to the next task of
-    the platform (``platform_handoff``); ``hand_off`` returns False when it cannot take one (no
-    free thread, the worker stopping), and the slot is then simply given back.
+    call :meth:`request` around each request (``tq_pipelines.crawl.http.PoliteClient`` does),
+    :meth:`report_error` for answers that speak of the platform (5xx, 429, timeouts) and
+    :meth:`report_answer` for the others (which reopens a half-open platform when this task is
+    its probe). A handler done with its requests calls :meth:`release`
+    (``ctx.release_platform()``) so that the slot serves another task while it stores what it
+    fetched; else the slot goes back with its outcome. With ``hand_off`` (the worker's), the
+    release passes the slot straight to the next task of the platform (a standby, or one
+    ``platform_handoff`` claims); ``hand_off`` returns False when it cannot take one (no free
+    thread, the worker stopping), and the slot is then simply given back.
     """
 
     def __init__(
