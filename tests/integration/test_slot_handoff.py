@@ -87,7 +87,7 @@ def test_drain_runs_share_a_platform_evenly(
     simulate: Callable[..., SimulatorProcess],  # noqa: F811 (the fixture)
     tmp_path: Path,
 ):
-    stores, max_in_flight, runs = 80, 4, 4
+    stores, max_in_flight, runs = 160, 4, 4
     sim = simulate(stores=stores, latency_ms=50)
     limits = {"max_in_flight": max_in_flight, "requests_per_second": 1000, "timeout_seconds": 5}
     path = platforms_file(tmp_path, sim, {"dutchie": limits})
@@ -106,7 +106,9 @@ def test_drain_runs_share_a_platform_evenly(
         ).fetchall()
     ]
     assert len(per_run) == runs, per_run
-    # A fair share is a quarter (20); runs begin a little apart, so allow a wide band.
+    # A fair share is a quarter (40); runs begin a little apart, and the first to begin pass their
+    # slots on at once (relays, 0031) while the last are still starting, so allow a wide band
+    # over a crawl long enough for the shares to settle.
     assert min(per_run) >= stores / runs / 2, per_run
     assert max(per_run) <= stores / runs * 2, per_run
 
