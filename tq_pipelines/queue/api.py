@@ -675,10 +675,7 @@ class TaskQueue:
         (None when none is due). 'paused' or 'full' when the platform paused or the limits shrank
         meanwhile: the slot went back alone. 'lost' when either task is not the caller's, or they
         do not match: nothing moved."""
-        lease, nxt = _lease(held), _lease(standby)
-        params = {**lease.params, "next_id": nxt.task_id, "next_lease": nxt.token, "replace": replace}
-        row = self._one("platform_pass", params)
-        new = Task(**{f: row[f] for f in _TASK_FIELDS if f in row}) if row["id"] is not None else None
+        row, new = self._pass("platform_pass", held, standby, replace=replace)
         return RequestDecision(row["decision"], float(row["wait_seconds"])), new
 
     def platform_relay(
@@ -689,17 +686,18 @@ class TaskQueue:
         send at once. Given only where the rate has room for it (0031). With ``sent``, the
         record of a request ``standby`` already sent on the relay of ``held``: the slot moves
         whatever the limits say now ('go', no start), or nothing moves ('lost')."""
-        lease, nxt = _lease(held), _lease(standby)
-        params = {
-            **lease.params,
-            "next_id": nxt.task_id,
-            "next_lease": nxt.token,
-            "replace": replace,
-            "sent": sent,
-        }
-        row = self._one("platform_relay", params)
-        new = Task(**{f: row[f] for f in _TASK_FIELDS if f in row}) if row["id"] is not None else None
+        row, new = self._pass("platform_relay", held, standby, replace=replace, sent=sent)
         return RequestDecision(row["decision"], float(row["wait_seconds"])), bool(row["relay"]), new
+
+    def _pass(
+        self, name: str, held: Held, standby: Held, **params: Any
+    ) -> tuple[dict[str, Any], Task | None]:
+        """One of the pass queries (``platform_pass``, ``platform_relay``): its row, and the
+        standby it claimed in the slot's place, if any."""
+        lease, nxt = _lease(held), _lease(standby)
+        row = self._one(name, {**lease.params, "next_id": nxt.task_id, "next_lease": nxt.token, **params})
+        new = Task(**{f: row[f] for f in _TASK_FIELDS if f in row}) if row["id"] is not None else None
+        return row, new
 
     def platform_abandon(self, held: Held, busy_seconds: float) -> bool:
         """The client gave up on the task's request, which the platform may serve for up to
