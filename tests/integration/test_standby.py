@@ -320,6 +320,41 @@ def test_a_drain_passes_its_slots_to_standby_tasks_within_the_limit(
     assert_store_state_consistent(conn)
 
 
+def test_a_drains_first_slots_are_passed_to_standbys_already_in_line(
+    conn: psycopg.Connection, queue: TaskQueue
+):
+    """A run's first requests end together: its standbys are claimed with its first claim, so
+    the first slots freed are passed on in line, none claimed for (a hand-off)."""
+    queue.sync_platform_limits([PlatformLimits("dutchie", 2, 1000.0)])
+    add_platform_tasks(conn, "dutchie", add_stores(conn, 10, platform="dutchie"))
+    lock = threading.Lock()
+    in_line: list[int] = []  # standby tasks in PostgreSQL as each request ends
+
+    def handler(task: Task, ctx: TaskContext) -> None:
+        permit = current_permit.get()
+        assert permit is not None
+        with permit.request():
+            time.sleep(0.2)
+            with queue.pool.connection() as c:
+                [(n,)] = c.execute(
+                    "SELECT count(*) FROM worker_tasks"
+                    " WHERE worker_id = 'w' AND status = 'running' AND send_at IS NULL"
+                ).fetchall()
+            with lock:
+                in_line.append(n)
+        ctx.release_platform()
+
+    worker = Worker(queue, ROLE, handler, worker_id="w", concurrency=8, idle_poll_seconds=None)
+    stats = worker.run()
+    assert (stats.completed, stats.failed, stats.lost, stats.deferred) == (10, 0, 0, 0)
+    # Both first requests ended with the line full (2 standbys), and every slot went to one.
+    assert in_line[:2] == [2, 2], in_line
+    assert stats.hand_offs == 0 and stats.passes == 8, stats
+    assert status_counts(conn) == {"completed": 10}
+    assert in_flight(conn, "dutchie") == (0, 0)
+    assert_platform_counters_consistent(conn)
+
+
 class SlowToAnswerPass(TaskQueue):
     """Passes answered 60 ms after they are asked for, as when the run's pooled connections
     are all busy with its handlers' reads and writes."""

@@ -699,6 +699,8 @@ class Worker:
                         if pool is None
                         else self._submit(pool, running, claimed) + self._finished(running)
                     )
+                    if pool is not None:
+                        self._top_up_lines(claimed)
                 elif running:
                     # Platforms free up without our handlers finishing (other runs complete,
                     # rates refill): a short claim is retried within SHORT_RETRY_SECONDS. Tasks
@@ -1045,6 +1047,12 @@ class Worker:
             self._line.unreserve(platform, want - started)
             with self._lock:
                 self._busy -= want - started
+
+    def _top_up_lines(self, claimed: list[Task]) -> None:
+        """Standbys for the platforms whose slots a claim just took: a run's first requests end
+        together, and their slots are then passed on in line, not each claimed for."""
+        for holder in {t.platform: t for t in claimed if t.send_at is not None}.values():
+            self._top_up(holder)
 
     def _start_standby(self, task: Task, *, reserved: bool = False) -> None:
         """Run a standby task (its thread taken already) up to its first request, in line."""
