@@ -23,13 +23,14 @@ latency, no faults):
 Figures: stores/s from first claim to last completion (from worker_tasks), and its ratio to the
 bound; each run's share of the stores (and the spread, the largest over the smallest); the
 server's highest in-flight count per host shows the limit was held, not exceeded, and its mean
-in flight and a slot's mean gap between two requests (``server_slots``, from the server's own
-log) show how busy the limit kept it; the cores
-used while the runs drained (the machine's, the drain runs', the simulator's, the rest:
+in flight and a slot's gap between two requests (``server_slots``, from the server's own log:
+mean, median, 90th percentile, and the slot time lost in gaps over 20 ms, the crawl's start and
+any stall) show how busy the limit kept it; the cores used while the runs drained (the machine's, the drain runs', the simulator's, the rest:
 PostgreSQL and anything else on the machine) show whether the machine, not the queue, bound it.
 """
 
 import argparse
+import heapq
 import json
 import multiprocessing as mp
 import os
@@ -69,9 +70,9 @@ NAMES = ("dutchie", "jane", "treez", "weedmaps", "leafly", "meadow")
 CHANGE_SECONDS = 600.0
 
 
-def server_stats(sim: SimulatorProcess) -> dict[str, dict[str, Any]]:
+def server_stats(sim: SimulatorProcess, slots: int) -> dict[str, dict[str, Any]]:
     """Per platform, from its server's counters and its own log: requests, the most in flight
-    and the most that arrived in any one second, and its occupancy."""
+    and the most that arrived in any one second, and its occupancy of ``slots``."""
     stats = {}
     for n, p in sim.platforms.items():
         served = p.server_stats(log=True)
@@ -82,33 +83,56 @@ def server_stats(sim: SimulatorProcess) -> dict[str, dict[str, Any]]:
             "max_starts_sliding_1s": politeness_report(
                 log, max_in_flight=served["max_in_flight"], requests_per_second=1, burst=0
             )["max_starts_sliding_1s"],
-            **occupancy(log),
+            **occupancy(log, slots),
         }
     return stats
 
 
-def occupancy(log: list[LogEntry]) -> dict[str, float]:
+def occupancy(log: list[LogEntry], slots: int) -> dict[str, float]:
     """From the server's own log: the seconds from the first arrival to the last departure, and
     the seconds of requests in flight over that span (their sum: the mean in flight times the
-    span)."""
+    span); and how long each request's slot stood empty before it (:func:`slot_gaps`)."""
     if not log:
-        return {"span_s": 0.0, "busy_s": 0.0}
+        return {"span_s": 0.0, "busy_s": 0.0, "gap_p50_ms": 0.0, "gap_p90_ms": 0.0, "gaps_over_20ms_s": 0.0}
+    gaps = slot_gaps(log, slots)
     return {
         "span_s": max(d for _, d, _ in log) - min(a for a, _, _ in log),
         "busy_s": sum(d - a for a, d, _ in log),
+        "gap_p50_ms": round(gaps[len(gaps) // 2] * 1000, 1),
+        "gap_p90_ms": round(gaps[len(gaps) * 9 // 10] * 1000, 1),
+        # The slot time lost in long gaps: a crawl's start, and stalls of the whole drain.
+        "gaps_over_20ms_s": round(sum(g for g in gaps if g > 0.02), 2),
     }
+
+
+def slot_gaps(log: list[LogEntry], slots: int) -> list[float]:
+    """Each request's wait, in seconds and sorted, from the slot it took standing free (the
+    earliest freed, all ``slots`` free at the first arrival) to its arrival: the server's view of
+    a slot's gap, whichever task used it."""
+    events = sorted([(a, 1) for a, _, _ in log] + [(d, 0) for _, d, _ in log])
+    free = [events[0][0]] * slots
+    gaps = []
+    for t, arrival in events:  # a departure before an arrival at the same instant
+        if arrival:
+            gaps.append(t - heapq.heappop(free))
+        else:
+            heapq.heappush(free, t)
+    return sorted(gaps)
 
 
 def slot_report(stats: dict[str, dict[str, Any]], slots: int) -> dict[str, dict[str, float]]:
     """Per server: the mean requests in flight over its busy span, and how long a slot stood
     empty between two requests on average ((slots x span - busy) / requests): what a freed slot
-    loses before the next request arrives, as the platform sees it."""
+    loses before the next request arrives, as the platform sees it. The median gap is the steady
+    crawl's; the long gaps' total shows what the start and any stall of the drain cost."""
     return {
         n: {
             "mean_in_flight": round(s["busy_s"] / s["span_s"], 2) if s["span_s"] else 0.0,
             "slot_gap_ms": round((slots * s["span_s"] - s["busy_s"]) / s["requests"] * 1000, 1)
             if s["requests"]
             else 0.0,
+            # Its median and 90th percentile, and the slot time lost in gaps over 20 ms.
+            **{k: s[k] for k in ("gap_p50_ms", "gap_p90_ms", "gaps_over_20ms_s")},
         }
         for n, s in stats.items()
     }
@@ -298,7 +322,7 @@ def served_since(
     for n, platform in sim.platforms.items():
         served = platform.server_stats(log=True)["log"]
         log: list[LogEntry] = [(a, d, st) for a, d, st in served if a >= began]
-        stats[n] = {"requests": len(log), **occupancy(log)}
+        stats[n] = {"requests": len(log), **occupancy(log, slots)}
     rate = sum(s["requests"] / s["span_s"] for s in stats.values() if s["span_s"])
     return rate, slot_report(stats, slots)
 
@@ -370,7 +394,7 @@ def main() -> None:
     first, first_cpu = drain_runs(url, "product_discovery", path, args.pool, args.runs, sim.process.pid or 0)
     first_n, first_rate = rate(url, "product_discovery")
     first_shares = shares(url, "product_discovery")
-    first_stats = server_stats(sim)
+    first_stats = server_stats(sim, args.in_flight)
     sim.stop()
     new_history = history_rows(url)
 
@@ -389,7 +413,7 @@ def main() -> None:
             "SELECT count(*) FILTER (WHERE NOT (result->>'unchanged')::boolean) FROM v_tasks"
             " WHERE role = 'product_resync' AND status = 'completed'"
         ).fetchone()[0]  # type: ignore[index]
-    resync_stats = server_stats(sim)  # before the probe's own requests
+    resync_stats = server_stats(sim, args.in_flight)  # before the probe's own requests
     # 4. The bound, on the same simulator.
     latency = probe_latency(sim.urls, url)
     in_flight_bound = args.in_flight * args.platforms / latency
