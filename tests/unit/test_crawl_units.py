@@ -120,6 +120,22 @@ def test_normalise_menu_accepts_an_empty_menu_and_the_bounds():
     assert (p["price"], p["thc"], p["cbd"]) == ("0.00", "100.00", "0.00")
 
 
+def test_a_number_seen_before_is_checked_against_each_fields_bounds():
+    """Numbers are parsed once per text (a menu repeats them): the bounds are still each field's,
+    and a text that is no number stays refused."""
+    (p,) = normalise_menu([product(price="150", thc=None, in_stock=False)])
+    assert p["price"] == "150.00"
+    with pytest.raises(MenuValidationError, match=r"thc must be between 0 and 100, got '150'"):
+        normalise_menu([product(price="150", thc="150")])
+    for _ in range(2):
+        with pytest.raises(MenuValidationError, match=r"price is not a number: '1,5'"):
+            normalise_menu([product(price="1,5")])
+    # The same number in other texts, and "-0", hash as one.
+    same = [normalise_menu([product(price=v)])[0]["price"] for v in (12.5, "12.50", "$12.5", " 12.500 ")]
+    assert same == ["12.50"] * 4
+    assert normalise_menu([product(price="-0")])[0]["price"] == "0.00"
+
+
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [

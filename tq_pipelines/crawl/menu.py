@@ -5,6 +5,7 @@ A product in the generic shape is an object with ``id``, ``name``, ``category``,
 rules is refused whole, with the first problems named: storing half of it would mark the rest gone.
 """
 
+import functools
 import hashlib
 import json
 from decimal import ROUND_HALF_UP, Decimal
@@ -56,14 +57,29 @@ def _number(value: Any, field: str, *, low: Decimal, high: Decimal, required: bo
         return None
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"{field} must be a number, got {type(value).__name__}")
-    try:
-        number = Decimal(str(value).strip().lstrip("$"))
-    except ArithmeticError:
-        raise ValueError(f"{field} is not a number: {value!r}") from None
+    parsed = _parse_number(str(value).strip().lstrip("$"))
+    if parsed is None:
+        raise ValueError(f"{field} is not a number: {value!r}")
+    number, cents = parsed
     if not number.is_finite() or not low <= number <= high:
         raise ValueError(f"{field} must be between {low} and {high}, got {value!r}")
-    # "-0" and "0" are the same price and must hash the same.
-    return str(number.quantize(_CENT, rounding=ROUND_HALF_UP) + _ZERO_CENTS)
+    return cents
+
+
+@functools.lru_cache(maxsize=16384)
+def _parse_number(text: str) -> tuple[Decimal, str] | None:
+    """A number's text as a Decimal and as its cents, rounded half up ('' where it cannot be:
+    not finite, or too large); None when it is no number. Menus repeat their prices and
+    percentages, and a crawl checks three numbers of every product: each text is parsed once."""
+    try:
+        number = Decimal(text)
+    except ArithmeticError:
+        return None
+    try:
+        # "-0" and "0" are the same price and must hash the same.
+        return number, str(number.quantize(_CENT, rounding=ROUND_HALF_UP) + _ZERO_CENTS)
+    except ArithmeticError:
+        return number, ""
 
 
 def normalise_product(raw: Any) -> Product:
