@@ -25,8 +25,9 @@ bound; each run's share of the stores (and the spread, the largest over the smal
 server's highest in-flight count per host shows the limit was held, not exceeded, and its mean
 in flight and a slot's gap between two requests (``server_slots``, from the server's own log:
 mean, median, 90th percentile, and the slot time lost in gaps over 20 ms, the crawl's start and
-any stall) show how busy the limit kept it; the cores used while the runs drained (the machine's, the drain runs', the simulator's, the rest:
-PostgreSQL and anything else on the machine) show whether the machine, not the queue, bound it.
+any stall) show how busy the limit kept it; the cores used while the runs drained (the
+machine's, the drain runs', the simulator's, the rest: PostgreSQL and anything else on the
+machine) show whether the machine, not the queue, bound it.
 """
 
 import argparse
