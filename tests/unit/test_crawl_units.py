@@ -23,6 +23,7 @@ import pytest
 from pydantic import ValidationError
 
 from tq_pipelines.crawl import http as http_mod
+from tq_pipelines.crawl import menu as menu_module
 from tq_pipelines.crawl.http import HostLimits, PoliteClient, _Host, host_key, retry_after_seconds
 from tq_pipelines.crawl.menu import (
     MAX_PRODUCTS,
@@ -134,6 +135,10 @@ def test_a_number_seen_before_is_checked_against_each_fields_bounds():
     same = [normalise_menu([product(price=v)])[0]["price"] for v in (12.5, "12.50", "$12.5", " 12.500 ")]
     assert same == ["12.50"] * 4
     assert normalise_menu([product(price="-0")])[0]["price"] == "0.00"
+    # A long text is parsed alike, and not kept: a platform cannot fill the cache with them.
+    kept = menu_module._parse_number_cached.cache_info().currsize
+    assert normalise_menu([product(price="0" * 40 + "12.5")])[0]["price"] == "12.50"
+    assert menu_module._parse_number_cached.cache_info().currsize == kept
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,8 @@ _ZERO = Decimal(0)
 _HUNDRED = Decimal(100)
 _CENT = Decimal("0.01")
 _ZERO_CENTS = Decimal("0.00")
+# The longest number text whose parse is kept (a price has at most 11 characters).
+CACHED_NUMBER_TEXT = 32
 
 
 class MenuValidationError(PermanentTaskError):
@@ -57,7 +59,8 @@ def _number(value: Any, field: str, *, low: Decimal, high: Decimal, required: bo
         return None
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"{field} must be a number, got {type(value).__name__}")
-    parsed = _parse_number(str(value).strip().lstrip("$"))
+    text = str(value).strip().lstrip("$")
+    parsed = _parse_number_cached(text) if len(text) <= CACHED_NUMBER_TEXT else _parse_number(text)
     if parsed is None:
         raise ValueError(f"{field} is not a number: {value!r}")
     number, cents = parsed
@@ -66,11 +69,9 @@ def _number(value: Any, field: str, *, low: Decimal, high: Decimal, required: bo
     return cents
 
 
-@functools.lru_cache(maxsize=16384)
 def _parse_number(text: str) -> tuple[Decimal, str] | None:
     """A number's text as a Decimal and as its cents, rounded half up ('' where it cannot be:
-    not finite, or too large); None when it is no number. Menus repeat their prices and
-    percentages, and a crawl checks three numbers of every product: each text is parsed once."""
+    not finite, or too large); None when it is no number."""
     try:
         number = Decimal(text)
     except ArithmeticError:
@@ -80,6 +81,11 @@ def _parse_number(text: str) -> tuple[Decimal, str] | None:
         return number, str(number.quantize(_CENT, rounding=ROUND_HALF_UP) + _ZERO_CENTS)
     except ArithmeticError:
         return number, ""
+
+
+# Menus repeat their prices and percentages, and a crawl checks three numbers of every product:
+# each short text is parsed once. (Longer ones, which no sane menu sends, are not kept.)
+_parse_number_cached = functools.lru_cache(maxsize=16384)(_parse_number)
 
 
 def normalise_product(raw: Any) -> Product:
