@@ -5,8 +5,8 @@ normalised and encoded (``crawl_menu``'s own work), in microseconds of process t
 
 The simulator's menus (20-60 products, prices and percentages as it draws them), versions 0 and
 1, in that order in one process: what a first crawl and then a resync decode. No database and
-no server: run it from two trees (each with its own ``tq_pipelines``) to compare them; the first
-pass over each version and the best of ``--rounds``.
+no server: run each tree's copy (it imports the ``tq_pipelines`` beside it) to compare two trees;
+the first pass over each version and the best of ``--rounds``.
 """
 
 import argparse
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path.cwd()
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tq_pipelines.crawl.menu import encode_menu, normalise_menu  # noqa: E402
