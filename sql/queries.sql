@@ -54,6 +54,10 @@ SELECT 1;
 SELECT register_worker_session(%(worker_id)s, %(role)s, %(pod_name)s, %(hostname)s,
                                %(heartbeat_seconds)s::FLOAT8) AS registry_id;
 
+-- name: listen_slot_free
+-- On the worker's session connection: slots other workers' shares give back (0032).
+LISTEN tq_slot_free;
+
 -- name: worker_sessions
 SELECT worker_id, status, silent_seconds, heartbeat_seconds, session_alive
 FROM worker_sessions(%(worker_ids)s);

@@ -1252,6 +1252,7 @@ BEGIN
   END IF;
   -- Nothing to pass it to: the slot goes back.
   UPDATE worker_tasks t SET send_at = NULL WHERE t.id = p_task_id;
+  PERFORM tq_slot_refused(p_task_id);
 END;
 $$;
 
@@ -1271,10 +1272,14 @@ CREATE FUNCTION public.platform_pass(p_task_id integer, p_lease uuid, p_next_id 
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
+DECLARE
+  r RECORD;
 BEGIN
-  RETURN QUERY
-  SELECT c.decision, c.wait_seconds, c.task, c.lease
-  FROM tq_pass(p_task_id, p_lease, p_next_id, p_next_lease, p_replace, false, false) c;
+  SELECT * INTO r FROM tq_pass(p_task_id, p_lease, p_next_id, p_next_lease, p_replace, false, false);
+  IF r.decision = 'full' THEN
+    PERFORM tq_slot_refused(p_task_id);
+  END IF;
+  RETURN QUERY SELECT r.decision, r.wait_seconds, r.task, r.lease;
 END;
 $$;
 
@@ -1321,9 +1326,14 @@ CREATE FUNCTION public.platform_relay(p_task_id integer, p_lease uuid, p_next_id
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     AS $$
+DECLARE
+  r RECORD;
 BEGIN
-  RETURN QUERY
-  SELECT * FROM tq_pass(p_task_id, p_lease, p_next_id, p_next_lease, p_replace, p_sent, true);
+  SELECT * INTO r FROM tq_pass(p_task_id, p_lease, p_next_id, p_next_lease, p_replace, p_sent, true);
+  IF r.decision = 'full' THEN
+    PERFORM tq_slot_refused(p_task_id);
+  END IF;
+  RETURN QUERY SELECT r.decision, r.wait_seconds, r.relay, r.task, r.lease;
 END;
 $$;
 
@@ -3935,6 +3945,30 @@ $$;
 --
 
 COMMENT ON FUNCTION public.tq_slot_commit() IS 'Slot bookkeeping in a transaction that wrote nothing before: commit without waiting for the WAL flush (0025)';
+
+
+--
+-- Name: tq_slot_refused(integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_slot_refused(p_task_id integer) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  t worker_tasks;
+  l tq_platforms;
+BEGIN
+  SELECT * INTO t FROM worker_tasks w WHERE w.id = p_task_id;
+  IF NOT FOUND OR t.worker_id IS NULL OR t.platform IS NULL OR t.send_at IS NOT NULL THEN
+    RETURN;  -- the slot is still held (or there was none)
+  END IF;
+  SELECT * INTO l FROM tq_platforms p WHERE p.platform = t.platform;
+  IF FOUND AND tq_platform_quota(l) >= 1 AND tq_worker_room(l, t.role, t.worker_id) < 1 THEN
+    PERFORM pg_notify('tq_slot_free',
+                      json_build_object('role', t.role, 'platform', t.platform, 'worker', t.worker_id)::TEXT);
+  END IF;
+END;
+$$;
 
 
 --

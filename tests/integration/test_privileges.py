@@ -118,6 +118,8 @@ INVOKER_FUNCTIONS = {
     "tq_slot_commit",
     # a pass, with or without a relay, under platform_pass and platform_relay (0031)
     "tq_pass",
+    # the announcement of a slot a worker's share gave back, after a pass or a hand-off (0032)
+    "tq_slot_refused",
 }
 
 

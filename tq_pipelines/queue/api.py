@@ -2,7 +2,11 @@
 
 import dataclasses
 import json
+import logging
 import math
+import os
+import select
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -17,6 +21,8 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from tq_pipelines.db.queries import query
+
+_log = logging.getLogger(__name__)
 
 Status = Literal["pending", "claimed", "running", "completed", "failed", "cancelled"]
 JSON = Any  # whatever json.dumps accepts
@@ -427,13 +433,20 @@ class TaskQueue:
         pod_name: str | None = None,
         hostname: str | None = None,
         heartbeat_seconds: float = 30.0,
+        on_slot_free: "SlotFreeHandler | None" = None,
     ) -> "WorkerSession":
         """Register ``worker_id`` on a connection of its own that holds the worker's session
         lock until :meth:`WorkerSession.close`: when the process dies, the server knows, and
         :meth:`release_dead_workers` gives its tasks back at once. Refused
-        (:class:`QueueInputError`, SQLSTATE 55P03) while another live session holds the id."""
-        session = WorkerSession(self, worker_id, role, pod_name, hostname, heartbeat_seconds)
+        (:class:`QueueInputError`, SQLSTATE 55P03) while another live session holds the id.
+
+        With ``on_slot_free``, the session also hears the slots that workers' shares give back
+        (0032) and calls it, from a thread of its own, with each one's role, platform and
+        worker: a hint to claim, never a permission."""
+        session = WorkerSession(self, worker_id, role, pod_name, hostname, heartbeat_seconds, on_slot_free)
         session.bind()
+        if on_slot_free is not None:
+            session.listen()
         return session
 
     def worker_liveness(self, worker_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -788,12 +801,16 @@ def _require_int32(argument: str, value: int | None) -> None:
         )
 
 
+# A slot given back to the share of ``worker`` of ``role`` on ``platform`` (0032).
+SlotFreeHandler = Callable[[str, str, str], None]
+
+
 class WorkerSession:
     """A worker's registration, held by a connection of its own (see :meth:`TaskQueue.open_session`).
 
-    The connection does nothing but hold the session lock; :meth:`check` (the worker's
-    heartbeat calls it) notices a connection lost with the server (a restart, a network cut)
-    and registers again on a new one."""
+    The connection holds the session lock and, when asked, listens for slots given back (0032);
+    :meth:`check` (the worker's heartbeat calls it) notices a connection lost with the server (a
+    restart, a network cut) and registers again on a new one."""
 
     def __init__(
         self,
@@ -803,6 +820,7 @@ class WorkerSession:
         pod_name: str | None,
         hostname: str | None,
         heartbeat_seconds: float,
+        on_slot_free: SlotFreeHandler | None = None,
     ) -> None:
         self.queue = queue
         self.worker_id = worker_id
@@ -814,9 +832,14 @@ class WorkerSession:
             "heartbeat_seconds": heartbeat_seconds,
         }
         self.conn: psycopg.Connection[Any] | None = None
+        self.on_slot_free = on_slot_free
+        self._listener: threading.Thread | None = None
+        self._closing = threading.Event()
+        # Written to by close(): the listener's wait on the socket ends at once.
+        self._wake_r, self._wake_w = -1, -1
 
     def bind(self) -> None:
-        """Connect and register, taking the session lock."""
+        """Connect and register, taking the session lock (and listening, when asked to)."""
         pool = self.queue.pool
         # The pool's own settings (they may be callables, resolved at each connection).
         conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo
@@ -824,12 +847,54 @@ class WorkerSession:
         conn: psycopg.Connection[Any] = psycopg.Connection.connect(conninfo, **{**kwargs, "autocommit": True})
         try:
             conn.execute(query("register_worker_session"), self.params)
+            if self.on_slot_free is not None:
+                conn.execute(query("listen_slot_free"))
         except psycopg.Error as exc:
             conn.close()
             if exc.sqlstate == "55P03" or _is_input_error(exc):
                 raise QueueInputError.from_server(exc) from exc
             raise
         self.conn = conn
+
+    def listen(self) -> None:
+        """Hear slots given back (0032) in a thread of its own until :meth:`close`."""
+        if self._listener is None:
+            self._wake_r, self._wake_w = os.pipe()
+            self._listener = threading.Thread(target=self._listen, name="tq-slot-free", daemon=True)
+            self._listener.start()
+
+    def _listen(self) -> None:
+        # The connection's lock is taken only to read what arrived: the heartbeat's check uses
+        # the same connection meanwhile, and a notification it reads waits in psycopg's backlog,
+        # which notifies() gives first.
+        while not self._closing.is_set():
+            conn = self.conn
+            try:
+                if conn is None or conn.closed:
+                    raise psycopg.OperationalError("no session connection")
+                ready, _, _ = select.select([conn.fileno(), self._wake_r], [], [], 1.0)
+                if self._closing.is_set():
+                    break
+                if ready:
+                    for n in conn.notifies(timeout=0):
+                        self._heard(n.payload)
+            except (psycopg.Error, OSError, ValueError):
+                # Lost: the heartbeat's check binds again; the hint is missed meanwhile, the
+                # next claim finds the slot.
+                self._closing.wait(0.25)
+
+    def _heard(self, payload: str) -> None:
+        assert self.on_slot_free is not None
+        try:
+            slot = json.loads(payload)
+            role, platform, worker = slot["role"], slot["platform"], slot["worker"]
+        except (ValueError, TypeError, KeyError):
+            return  # not the queue's (anyone may NOTIFY): a hint, never a permission
+        if all(isinstance(v, str) for v in (role, platform, worker)):
+            try:
+                self.on_slot_free(role, platform, worker)
+            except Exception:
+                _log.exception("slot-free handler failed")
 
     def check(self) -> bool:
         """True when the session is alive; else registers again (False if that fails too)."""
@@ -849,6 +914,15 @@ class WorkerSession:
     def close(self) -> None:
         """Deregister (offline) and end the session. On the session's own connection: the
         database leaves a registration whose session is alive to that session alone."""
+        self._closing.set()
+        if self._listener is not None:
+            with suppress(OSError):
+                os.write(self._wake_w, b"x")
+            self._listener.join()
+            for fd in (self._wake_r, self._wake_w):
+                with suppress(OSError):
+                    os.close(fd)
+            self._listener = None
         try:
             if self.conn is not None and not self.conn.closed:
                 with suppress(psycopg.OperationalError):

@@ -626,7 +626,11 @@ class Worker:
         self._heartbeats_stop.clear()
         # Registered on a connection of its own: if this process dies, the server knows at once.
         self._session = self.queue.open_session(
-            self.worker_id, self.role, hostname=socket.gethostname(), heartbeat_seconds=self.heartbeat_seconds
+            self.worker_id,
+            self.role,
+            hostname=socket.gethostname(),
+            heartbeat_seconds=self.heartbeat_seconds,
+            on_slot_free=self._slot_free_elsewhere,
         )
         started = time.monotonic()
         self._deadline = None if self.time_budget_seconds is None else started + self.time_budget_seconds
@@ -713,7 +717,9 @@ class Worker:
                     outcomes = self._finished(running)
                 elif budget_left and not self._stop.is_set() and (pause := self._platform_wait(idle_since)):
                     idle_since = idle_since or time.monotonic()
-                    self._stop.wait(pause)
+                    # Woken early by a slot another worker's share gave back, or by stop().
+                    self._wake.wait(pause)
+                    self._wake.clear()
                     continue
                 elif (
                     budget_left
@@ -854,6 +860,16 @@ class Worker:
     def _slot_given_back(self, platform: str) -> None:
         """A slot went back without a hand-off: a standby of the platform may take it, or the
         main loop claim for it."""
+        self._line.poke(platform)
+        self._slot_freed.set()
+        self._wake.set()
+
+    def _slot_free_elsewhere(self, role: str, platform: str, worker: str) -> None:
+        """Another worker of the role gave a slot of ``platform`` back to its share (0032): one
+        of our standbys of the platform asks for it, and the main loop claims, now rather than at
+        its next retry. Whoever asks first gets it, within our share."""
+        if role != self.role or worker == self.worker_id:
+            return
         self._line.poke(platform)
         self._slot_freed.set()
         self._wake.set()
