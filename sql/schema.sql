@@ -163,6 +163,8 @@ CREATE FUNCTION public.claim_tasks(p_role character varying, p_worker_id charact
     SET plan_cache_mode TO 'force_generic_plan'
     SET search_path TO 'public', 'pg_temp'
     SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
 DECLARE
   v_want INTEGER := p_max_tasks;
@@ -444,6 +446,8 @@ CREATE FUNCTION public.claim_wait(p_role character varying) RETURNS double preci
     LANGUAGE sql STABLE SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
     SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
   WITH due AS (
     SELECT f.platform
@@ -3125,6 +3129,8 @@ $$;
 CREATE FUNCTION public.tq_pick_next(p_role character varying, p_platform character varying) RETURNS integer
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
 DECLARE
   v_store_key RECORD;
