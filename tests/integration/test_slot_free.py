@@ -90,13 +90,24 @@ def test_only_a_slot_the_share_gives_back_is_announced(
     assert_platform_counters_consistent(conn)
 
 
-def start_second_worker(
-    queue: TaskQueue, worker_id: str
-) -> tuple[Worker, threading.Thread, dict[str, float], threading.Event]:
-    """A drain run of ``worker_id`` that holds jane's one slot (its handler waits for the
-    returned event) and has claimed nothing of dutchie, which is full: its claim came back short,
-    and it would claim again only at its retry. Returns it, its thread, when its first task of each
-    platform began, and the event."""
+def wait_for(condition: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+@contextmanager
+def second_waits_for_dutchie(
+    conn: psycopg.Connection, queue: TaskQueue, admin: TaskQueue
+) -> Iterator[tuple[Task, Task, Worker, dict[str, float]]]:
+    """Dutchie's 2 slots held by worker 'first' (its task ``a`` and a standby ``s1`` of it), and a
+    drain run of worker 'second' that holds jane's one slot (its handler waits) and has claimed
+    nothing of dutchie: its claim came back short, and it would claim again only at its retry.
+    Yields ``(a, s1, second, began)``, ``began`` when second's first task of each platform began;
+    then second stops, having lost and failed nothing."""
+    admin.sync_platform_limits([PlatformLimits("dutchie", 2, 1000.0), PlatformLimits("jane", 1, 1000.0)])
+    add_platform_tasks(conn, "dutchie", add_stores(conn, 4, platform="dutchie"))
     began: dict[str, float] = {}
     release = threading.Event()
 
@@ -105,21 +116,22 @@ def start_second_worker(
         if task.platform == "jane":
             release.wait(60)
 
-    worker = Worker(queue, ROLE, handler, worker_id=worker_id, concurrency=4, idle_poll_seconds=None)
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while "jane" not in began and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert "jane" in began and "dutchie" not in began
-    return worker, thread, began, release
-
-
-def wait_for(condition: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return condition()
+    with session(queue, "first"):
+        a, _ = queue.claim_many(ROLE, "first", 2, start=True)
+        s1 = queue.platform_standby(a)
+        assert s1 is not None
+        add_platform_tasks(conn, "jane", add_stores(conn, 1, platform="jane"))
+        second = Worker(queue, ROLE, handler, worker_id="second", concurrency=4, idle_poll_seconds=None)
+        thread = threading.Thread(target=second.run)
+        thread.start()
+        try:
+            assert wait_for(lambda: "jane" in began, 10) and "dutchie" not in began
+            yield a, s1, second, began
+        finally:
+            release.set()
+            second.stop()
+            thread.join(30)
+        assert second.stats.lost == 0 and second.stats.failed == 0
 
 
 def test_a_slot_another_workers_share_gives_back_is_claimed_at_once(
@@ -129,27 +141,14 @@ def test_a_slot_another_workers_share_gives_back_is_claimed_at_once(
     comes back short, and it would claim again only a minute later. The first's next pass is
     refused by its share, and the second claims that slot at once, having heard of it."""
     monkeypatch.setattr(worker_module, "SHORT_RETRY_SECONDS", 60.0)
-    queue.sync_platform_limits([PlatformLimits("dutchie", 2, 1000.0), PlatformLimits("jane", 1, 1000.0)])
-    add_platform_tasks(conn, "dutchie", add_stores(conn, 4, platform="dutchie"))
-    with session(queue, "first"):
-        a, _ = queue.claim_many(ROLE, "first", 2, start=True)
-        s1 = queue.platform_standby(a)
-        assert s1 is not None
-        add_platform_tasks(conn, "jane", add_stores(conn, 1, platform="jane"))
-        second, thread, began, release = start_second_worker(queue, "second")
-        try:
-            time.sleep(0.5)  # its loop is waiting now
-            assert "dutchie" not in began
-            passed = time.monotonic()
-            assert queue.platform_pass(a, s1)[0].decision == "full"
-            # Heard at once: well within the minute its retry would have taken.
-            assert wait_for(lambda: "dutchie" in began, 10), "the slot given back was not claimed"
-            assert began["dutchie"] - passed < 10
-        finally:
-            release.set()
-            second.stop()
-            thread.join(30)
-        assert second.stats.lost == 0 and second.stats.failed == 0
+    with second_waits_for_dutchie(conn, queue, queue) as (a, s1, _, began):
+        time.sleep(0.5)  # its loop is waiting now
+        assert "dutchie" not in began
+        passed = time.monotonic()
+        assert queue.platform_pass(a, s1)[0].decision == "full"
+        # Heard at once: well within the minute its retry would have taken.
+        assert wait_for(lambda: "dutchie" in began, 10), "the slot given back was not claimed"
+        assert began["dutchie"] - passed < 10
     assert_platform_counters_consistent(conn)
 
 
@@ -162,46 +161,33 @@ def test_a_forged_announcement_gets_no_slot_beyond_the_limits(
     claims on the real one that follows."""
     monkeypatch.setattr(worker_module, "SHORT_RETRY_SECONDS", 60.0)
     with TaskQueue.connect(db_url, max_size=4) as admin, TaskQueue.connect(worker.url, max_size=8) as queue:
-        admin.sync_platform_limits([PlatformLimits("dutchie", 2, 1000.0), PlatformLimits("jane", 1, 1000.0)])
-        add_platform_tasks(conn, "dutchie", add_stores(conn, 4, platform="dutchie"))
-        with session(queue, "first"):
-            a, _ = queue.claim_many(ROLE, "first", 2, start=True)
-            s1 = queue.platform_standby(a)
-            assert s1 is not None
-            add_platform_tasks(conn, "jane", add_stores(conn, 1, platform="jane"))
-            second, thread, began, release = start_second_worker(queue, "second")
-            try:
-                with worker.connect() as attacker:
-                    claims = second.stats.claims
-                    for payload in (
-                        "not json",
-                        "[]",
-                        json.dumps({"role": ROLE, "platform": 7, "worker": "x"}),
-                        json.dumps({"role": "analytics", "platform": "dutchie", "worker": "x"}),
-                    ):
-                        attacker.execute("SELECT pg_notify('tq_slot_free', %s)", (payload,))
-                    time.sleep(0.5)
-                    assert second.stats.claims == claims, "a payload not the queue's woke the worker"
-                    attacker.execute(
-                        "SELECT pg_notify('tq_slot_free', %s)",
-                        (json.dumps({"role": ROLE, "platform": "dutchie", "worker": "first"}),),
-                    )
-                    # Heard: it claimed, and got nothing of a full platform.
-                    assert wait_for(lambda: second.stats.claims > claims, 10)
-                    time.sleep(0.3)
-                    assert "dutchie" not in began
-                    assert in_flight(conn, "dutchie") == (2, 2)
-                    assert conn.execute(
-                        "SELECT count(*) FROM worker_tasks WHERE worker_id = 'second'"
-                        " AND platform = 'dutchie' AND status IN ('claimed', 'running')"
-                    ).fetchone() == (0,)
-                # The real one, after all that: still heard, and the slot is claimed.
-                assert queue.platform_pass(a, s1)[0].decision == "full"
-                assert wait_for(lambda: "dutchie" in began, 10), "the listener stopped hearing"
-            finally:
-                release.set()
-                second.stop()
-                thread.join(30)
-            assert second.stats.lost == 0 and second.stats.failed == 0
-            assert in_flight(conn, "dutchie")[0] <= 2
+        with second_waits_for_dutchie(conn, queue, admin) as (a, s1, second, began):
+            with worker.connect() as attacker:
+                claims = second.stats.claims
+                for payload in (
+                    "not json",
+                    "[]",
+                    json.dumps({"role": ROLE, "platform": 7, "worker": "x"}),
+                    json.dumps({"role": "analytics", "platform": "dutchie", "worker": "x"}),
+                ):
+                    attacker.execute("SELECT pg_notify('tq_slot_free', %s)", (payload,))
+                time.sleep(0.5)
+                assert second.stats.claims == claims, "a payload not the queue's woke the worker"
+                attacker.execute(
+                    "SELECT pg_notify('tq_slot_free', %s)",
+                    (json.dumps({"role": ROLE, "platform": "dutchie", "worker": "first"}),),
+                )
+                # Heard: it claimed, and got nothing of a full platform.
+                assert wait_for(lambda: second.stats.claims > claims, 10)
+                time.sleep(0.3)
+                assert "dutchie" not in began
+                assert in_flight(conn, "dutchie") == (2, 2)
+                assert conn.execute(
+                    "SELECT count(*) FROM worker_tasks WHERE worker_id = 'second'"
+                    " AND platform = 'dutchie' AND status IN ('claimed', 'running')"
+                ).fetchone() == (0,)
+            # The real one, after all that: still heard, and the slot is claimed.
+            assert queue.platform_pass(a, s1)[0].decision == "full"
+            assert wait_for(lambda: "dutchie" in began, 10), "the listener stopped hearing"
+        assert in_flight(conn, "dutchie")[0] <= 2
     assert_platform_counters_consistent(conn)
