@@ -505,6 +505,8 @@ $$;
 CREATE FUNCTION public.complete_task_tx(p_task_id integer, p_lease uuid, p_result jsonb) RETURNS boolean
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
+    SET enable_seqscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
 BEGIN
   WITH done AS (
@@ -536,6 +538,8 @@ $$;
 CREATE FUNCTION public.complete_tasks(p_task_ids integer[], p_leases uuid[], p_results jsonb[]) RETURNS integer[]
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
+    SET enable_seqscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
 BEGIN
   RETURN complete_tasks_timed(
@@ -553,6 +557,8 @@ $$;
 CREATE FUNCTION public.complete_tasks_timed(p_task_ids integer[], p_leases uuid[], p_results jsonb[], p_began_after double precision[], p_ended_after double precision[]) RETURNS integer[]
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
+    SET enable_seqscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
 DECLARE
   v_done INTEGER[];
@@ -614,6 +620,8 @@ $$;
 CREATE FUNCTION public.defer_task(p_task_id integer, p_lease uuid, p_delay interval) RETURNS boolean
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
+    SET enable_seqscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
 BEGIN
   UPDATE worker_tasks t
@@ -726,6 +734,8 @@ COMMENT ON FUNCTION public.enqueue_task(p_role character varying, p_dispensary_i
 CREATE FUNCTION public.enqueue_task_once(p_role character varying, p_dispensary_id integer DEFAULT NULL::integer, p_platform character varying DEFAULT NULL::character varying, p_priority integer DEFAULT 0, p_scheduled_for timestamp with time zone DEFAULT NULL::timestamp with time zone, p_payload jsonb DEFAULT '{}'::jsonb) RETURNS integer
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
+    SET enable_seqscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
 DECLARE
   v_id INTEGER;
@@ -838,6 +848,8 @@ $$;
 CREATE FUNCTION public.fail_task(p_task_id integer, p_lease uuid, p_error text, p_retryable boolean DEFAULT true, p_retry_after interval DEFAULT NULL::interval) RETURNS text
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
+    SET enable_seqscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
 DECLARE
   v_again BOOLEAN;
@@ -1002,6 +1014,8 @@ COMMENT ON FUNCTION public.generate_resync_tasks(p_batches_per_day integer, p_da
 CREATE FUNCTION public.heartbeat_tasks(p_worker_id character varying, p_task_ids integer[], p_leases uuid[]) RETURNS integer[]
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
+    SET enable_seqscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
 DECLARE
   v_owned INTEGER[];
@@ -2304,6 +2318,8 @@ $_$;
 CREATE FUNCTION public.task_still_owned(p_task_id integer, p_lease uuid) RETURNS TABLE(owned integer)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'public', 'pg_temp'
+    SET enable_seqscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
 BEGIN
   RETURN QUERY
@@ -3476,6 +3492,8 @@ $$;
 
 CREATE FUNCTION public.tq_refresh_head(p_store integer, p_role character varying) RETURNS void
     LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
 DECLARE
   v_priority INTEGER;
@@ -3525,6 +3543,8 @@ $$;
 CREATE FUNCTION public.tq_refresh_heads(p_stores integer[], p_roles character varying[]) RETURNS void
     LANGUAGE plpgsql
     SET plan_cache_mode TO 'force_generic_plan'
+    SET enable_seqscan TO 'off'
+    SET enable_indexscan TO 'on'
     AS $$
 DECLARE
   v_lowered INTEGER;

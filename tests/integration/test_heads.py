@@ -166,3 +166,50 @@ def test_a_claim_behind_a_backlog_that_grew_since_a_nearly_empty_analyze_reads_w
     # where each claim reading the due heads whole is 2,000 (10,000 for the five).
     assert reads < 1000, reads
     assert_store_state_consistent(conn)
+
+
+def test_a_tasks_lookups_after_a_nearly_empty_analyze_scan_no_table(conn: psycopg.Connection, db_url: str):
+    """0034: after an ANALYZE of a nearly empty worker_tasks, the lookups of one task (by its id in
+    the handler's transaction and its completion, by its store in the enqueue's check) were
+    planned as sequential scans, which read every row of the table once a backlog built. With a
+    session that prefers sequential scans (as those statistics did), an enqueue, a handler's
+    transaction, a completion, a heartbeat, a deferral and a failure scan no table."""
+    stores = add_stores(conn, 2010)
+    conn.execute("SELECT register_worker('scan-w', %s)", (ROLE,))
+    conn.execute("ALTER TABLE worker_tasks SET (autovacuum_enabled = false)")
+    enqueue = "SELECT enqueue_task_once(%s, s, NULL, 0, NULL, NULL) FROM unnest(%s::INT[]) s"
+    conn.execute(enqueue, (ROLE, stores[:1]))
+    conn.execute("ANALYZE worker_tasks")
+    conn.execute(enqueue, (ROLE, stores[1:2000]))  # the backlog
+    claimed = conn.execute(
+        "SELECT (c).task.id, (c).lease FROM claim_tasks(%s, 'scan-w', 4, true) AS c", (ROLE,)
+    ).fetchall()
+    assert len(claimed) == 4
+    seq_reads = "SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables WHERE relname = 'worker_tasks'"
+
+    def scanned() -> int:
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        conn.execute("SELECT 1")
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        (n,) = conn.execute(seq_reads).fetchone() or (0,)
+        return int(n)
+
+    conn.execute("SET enable_indexscan = off")
+    conn.execute("SET enable_bitmapscan = off")
+    before = scanned()
+    (a, la), (b, lb), (c, lc), (d, ld) = claimed
+    conn.execute(enqueue, (ROLE, stores[2000:2010]))
+    conn.execute(enqueue, (ROLE, stores[1:3]))  # pending already: nothing new
+    with conn.transaction():
+        assert conn.execute("SELECT * FROM task_still_owned(%s, %s)", (a, la)).fetchall() == [(1,)]
+        assert conn.execute("SELECT complete_task_tx(%s, %s, NULL)", (a, la)).fetchone() == (True,)
+    conn.execute("SELECT heartbeat_tasks('scan-w', %s, %s::UUID[])", ([b, c, d], [lb, lc, ld]))
+    conn.execute("SELECT complete_tasks(%s, %s, %s::JSONB[])", ([b], [lb], [None]))
+    conn.execute("SELECT defer_task(%s, %s, interval '1 minute')", (c, lc))
+    conn.execute("SELECT fail_task(%s, %s, 'boom', true, NULL)", (d, ld))
+    reads = scanned() - before
+    # Each lookup through an index; a sequential scan of the table is 2,000 rows or more.
+    assert reads == 0, reads
+    conn.execute("RESET enable_indexscan")
+    conn.execute("RESET enable_bitmapscan")
+    assert_store_state_consistent(conn)
