@@ -164,18 +164,29 @@ def test_a_scan_of_a_roles_heads_has_one_index_to_take(conn: psycopg.Connection)
     with_role = {name: partial for name, _, partial, columns in rows if "role" in (columns or [])}
     assert with_role == {"idx_worker_task_heads_platform": False, "idx_worker_task_heads_recheck": True}
     assert ("worker_task_heads_store_role", True, False, ["dispensary_id"]) in rows
-    # Nor a sequential scan, which reads the dead heads too, in the functions that walk them.
+    # Nor a sequential scan, which reads the dead heads too, in the functions that walk them
+    # (0018), nor in those that look one task up (0034).
     walkers = conn.execute(
         "SELECT proname FROM pg_proc WHERE 'enable_seqscan=off' = ANY (proconfig) ORDER BY proname"
     ).fetchall()
     assert [w for (w,) in walkers] == [
         "claim_tasks",
         "claim_wait",
+        "complete_task_tx",
+        "complete_tasks",
+        "complete_tasks_timed",
+        "defer_task",
+        "enqueue_task_once",
+        "fail_task",
+        "heartbeat_tasks",
         "platform_standby",
+        "task_still_owned",
         "tq_claim_next",
         "tq_pass",
         "tq_pick_next",
         "tq_raise_floors",
+        "tq_refresh_head",
+        "tq_refresh_heads",
     ]
 
 
