@@ -257,6 +257,10 @@ SELECT (c.task).*, c.lease AS lease_token FROM platform_handoff(%(task_id)s, %(l
 -- The next due task of the platform, claimed for the same worker without a slot (0028).
 SELECT (c.task).*, c.lease AS lease_token FROM platform_standby(%(task_id)s, %(lease)s) c;
 
+-- name: platform_standbys
+-- Due tasks of full platforms where the worker holds no slot, claimed for it without one (0035).
+SELECT (c.task).*, c.lease AS lease_token FROM platform_standbys(%(role)s, %(worker_id)s, %(most)s) c;
+
 -- name: platform_pass
 -- The slot moves from a task to its worker's standby task of the platform, with a start, and
 -- with replace the next due task is claimed as a standby in its place (0028).

@@ -1556,6 +1556,89 @@ $$;
 
 
 --
+-- Name: platform_standbys(character varying, character varying, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.platform_standbys(p_role character varying, p_worker_id character varying, p_most integer) RETURNS TABLE(task public.worker_tasks, lease uuid)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET enable_seqscan TO 'off'
+    SET enable_indexscan TO 'on'
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+  v_platform VARCHAR;
+  v_left INTEGER := p_most;
+  v_room INTEGER;
+  v_id INTEGER;
+  v_token UUID;
+BEGIN
+  PERFORM tq_require_worker(p_worker_id);
+  IF p_most IS NULL OR p_most NOT BETWEEN 1 AND 1000 THEN
+    PERFORM tq_refuse('platform_standbys', 'most', p_most::TEXT, 'must be between 1 and 1000',
+      'A worker claims 1 to 1000 standby tasks at once.');
+  END IF;
+  PERFORM tq_require_role(p_role);
+  -- A worker the fair share counts (tq_fair_share): one that is gone waits for no share.
+  IF NOT EXISTS (
+    SELECT 1
+    FROM worker_registry w
+    WHERE w.worker_id = p_worker_id
+      AND w.role = p_role
+      AND w.status <> 'offline'
+      AND w.last_heartbeat_at > now() - make_interval(secs => greatest(2.5 * coalesce(w.heartbeat_seconds, 30), 10))
+  ) THEN
+    RETURN;
+  END IF;
+  FOR v_platform IN
+    SELECT l.platform
+    FROM tq_platforms l
+    WHERE l.in_flight + tq_platform_held(l) >= l.max_in_flight  -- every slot taken, holds too
+      AND l.pauses = 0
+      AND NOT coalesce(l.paused_until > now(), false)
+    ORDER BY l.platform
+  LOOP
+    EXIT WHEN v_left = 0;
+    -- A holder's line is platform_standby's.
+    CONTINUE WHEN tq_worker_slots(p_worker_id, v_platform, NULL) > 0;
+    -- Counted under platform_standby's lock: the two at once cannot both pass the bound.
+    PERFORM pg_advisory_xact_lock(hashtext('tq_standby/' || p_worker_id || '/' || v_platform));
+    v_room := 2 - (
+      SELECT count(*)::INTEGER
+      FROM worker_tasks t  -- idx_worker_tasks_standby
+      WHERE t.worker_id = p_worker_id
+        AND t.platform = v_platform
+        AND t.status IN ('claimed', 'running')
+        AND t.send_at IS NULL);
+    WHILE v_room > 0 AND v_left > 0 LOOP
+      -- Its store is locked until the commit, and the UPDATE's trigger marks it active: the
+      -- next pick passes it by.
+      v_id := tq_pick_next(p_role, v_platform);
+      EXIT WHEN v_id IS NULL;
+      v_token := gen_random_uuid();
+      RETURN QUERY
+      WITH claimed AS (
+        UPDATE worker_tasks t
+        SET status = 'running',
+            worker_id = p_worker_id,
+            claimed_at = now(),
+            started_at = now(),
+            completed_at = NULL,
+            send_at = NULL,
+            last_heartbeat_at = now(),
+            lease_hash = tq_lease_hash(v_token)
+        WHERE t.id = v_id
+        RETURNING t
+      )
+      SELECT c.t, v_token FROM claimed c;
+      v_room := v_room - 1;
+      v_left := v_left - 1;
+    END LOOP;
+  END LOOP;
+END;
+$$;
+
+
+--
 -- Name: prune_completion_log(date, integer); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -5874,7 +5957,8 @@ INSERT INTO public.tq_api (function_name, for_worker) VALUES
 	('archive_tasks', true),
 	('platform_standby', true),
 	('platform_pass', true),
-	('platform_relay', true);
+	('platform_relay', true),
+	('platform_standbys', true);
 
 
 --

@@ -165,7 +165,7 @@ def test_a_scan_of_a_roles_heads_has_one_index_to_take(conn: psycopg.Connection)
     assert with_role == {"idx_worker_task_heads_platform": False, "idx_worker_task_heads_recheck": True}
     assert ("worker_task_heads_store_role", True, False, ["dispensary_id"]) in rows
     # Nor a sequential scan, which reads the dead heads too, in the functions that walk them
-    # (0018), nor in those that look one task up (0034).
+    # (0018), nor in those that look one task up (0034), nor in the standbys' claim (0035).
     walkers = conn.execute(
         "SELECT proname FROM pg_proc WHERE 'enable_seqscan=off' = ANY (proconfig) ORDER BY proname"
     ).fetchall()
@@ -180,6 +180,7 @@ def test_a_scan_of_a_roles_heads_has_one_index_to_take(conn: psycopg.Connection)
         "fail_task",
         "heartbeat_tasks",
         "platform_standby",
+        "platform_standbys",
         "task_still_owned",
         "tq_claim_next",
         "tq_pass",

@@ -104,15 +104,17 @@ def second_waits_for_dutchie(
     """Dutchie's 2 slots held by worker 'first' (its task ``a`` and a standby ``s1`` of it), and a
     drain run of worker 'second' that holds jane's one slot (its handler waits) and has claimed
     nothing of dutchie: its claim came back short, and it would claim again only at its retry.
-    Yields ``(a, s1, second, began)``, ``began`` when second's first task of each platform began;
-    then second stops, having lost and failed nothing."""
+    Yields ``(a, s1, second, began)``, ``began`` when second's first request of each platform
+    went; then second stops, having lost and failed nothing."""
     admin.sync_platform_limits([PlatformLimits("dutchie", 2, 1000.0), PlatformLimits("jane", 1, 1000.0)])
     add_platform_tasks(conn, "dutchie", add_stores(conn, 4, platform="dutchie"))
     began: dict[str, float] = {}
     release = threading.Event()
 
     def handler(task: Task, ctx: TaskContext) -> None:
-        began.setdefault(task.platform or "", time.monotonic())
+        assert ctx.permit is not None
+        with ctx.permit.request():
+            began.setdefault(task.platform or "", time.monotonic())
         if task.platform == "jane":
             release.wait(60)
 
@@ -177,7 +179,8 @@ def test_a_forged_announcement_gets_no_slot_beyond_the_limits(
                     "SELECT pg_notify('tq_slot_free', %s)",
                     (json.dumps({"role": ROLE, "platform": "dutchie", "worker": "first"}),),
                 )
-                # Heard: it claimed, and got nothing of a full platform.
+                # Heard: it claimed, and got no slot of a full platform (standbys at most, 0035,
+                # which send nothing until a slot is theirs).
                 assert wait_for(lambda: second.stats.claims > claims, 10)
                 time.sleep(0.3)
                 assert "dutchie" not in began
@@ -185,6 +188,7 @@ def test_a_forged_announcement_gets_no_slot_beyond_the_limits(
                 assert conn.execute(
                     "SELECT count(*) FROM worker_tasks WHERE worker_id = 'second'"
                     " AND platform = 'dutchie' AND status IN ('claimed', 'running')"
+                    " AND send_at IS NOT NULL"
                 ).fetchone() == (0,)
             # The real one, after all that: still heard, and the slot is claimed.
             assert queue.platform_pass(a, s1)[0].decision == "full"

@@ -679,6 +679,17 @@ class TaskQueue:
             rows: list[Task] = cur.execute(query("platform_standby"), lease.params).fetchall()
         return rows[0] if rows else None
 
+    def platform_standbys(self, role: str, worker_id: str, most: int) -> list[Task]:
+        """For a worker holding no slot of a full platform: up to ``most`` due tasks of ``role``
+        claimed for it without a slot, at most two a platform, to wait at their first request for
+        a slot that another worker's share gives back. None for a worker the fair share does not
+        count (not registered for the role, or gone)."""
+        with self._cursor(task_row) as cur:
+            rows: list[Task] = cur.execute(
+                query("platform_standbys"), {"role": role, "worker_id": worker_id, "most": most}
+            ).fetchall()
+        return rows
+
     def platform_pass(
         self, held: Held, standby: Held, *, replace: bool = False
     ) -> tuple[RequestDecision, Task | None]:

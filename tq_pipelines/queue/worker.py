@@ -142,6 +142,11 @@ class StandbyLine:
         if permit is not None:
             permit.passed(time.monotonic(), RequestDecision("full", 0.0))
 
+    def empty(self) -> bool:
+        """No standby in line or promised, of any platform."""
+        with self._lock:
+            return not any(self._line.values()) and not any(self._reserved.values())
+
     def withdraw(self, permit: "PlatformPermit") -> bool:
         """Out of the line on its own (waited too long, or done without a request); False when a
         passer took it first: its answer is on its way."""
@@ -717,7 +722,10 @@ class Worker:
                     outcomes = self._finished(running)
                 elif budget_left and not self._stop.is_set() and (pause := self._platform_wait(idle_since)):
                     idle_since = idle_since or time.monotonic()
-                    # Woken early by a slot another worker's share gave back, or by stop().
+                    if pool is not None and self._line.empty():
+                        self._stand_by()
+                    # Woken early by a slot another worker's share gave back (a standby asks
+                    # for it, and the loop claims), or by stop().
                     self._wake.wait(pause)
                     self._wake.clear()
                     continue
@@ -1061,6 +1069,27 @@ class Worker:
                 self._start_standby(task, reserved=True)
         finally:
             self._line.unreserve(platform, want - started)
+            with self._lock:
+                self._busy -= want - started
+
+    def _stand_by(self) -> None:
+        """Nothing claimed, nothing running, due work waiting for its platforms: standbys (0035)
+        of the full platforms where this worker holds no slot, in free threads, to take at once
+        a slot that another worker's share gives back (the announcement pokes one) rather than
+        claim for it then."""
+        with self._lock:
+            if self._stop.is_set() or self._pool is None:
+                return
+            want = min(self.concurrency - self._busy, 2 * STANDBY_PER_PLATFORM)
+            if want <= 0:
+                return
+            self._busy += want
+        started = 0
+        try:
+            for task in self.queue.platform_standbys(self.role, self.worker_id, want):
+                started += 1
+                self._start_standby(task)
+        finally:
             with self._lock:
                 self._busy -= want - started
 
