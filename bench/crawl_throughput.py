@@ -433,7 +433,8 @@ def main() -> None:
         # How the slots moved too: passed to a standby, handed off, and the standbys claimed.
         keys = (
             *("completed", "failed", "retried", "deferred", "lost"),
-            *("passes_to_standby", "passes_relayed", "hand_offs", "standby_claimed", "late_starts"),
+            *("passes_to_standby", "passes_relayed", "hand_offs", "standby_claimed"),
+            *("standby_claimed_before_slot", "late_starts"),
         )
         return {k: sum(r.get(k, 0) for r in runs) for k in keys} | {"concurrency": runs[0]["concurrency"]}
 

@@ -221,7 +221,7 @@ def test_a_drain_holding_no_slot_waits_with_standbys_and_sends_when_a_slot_is_gi
             thread.join(30)
     assert not thread.is_alive()
     assert second.stats.lost == 0 and second.stats.failed == 0
-    assert second.stats.standbys >= 2
+    assert second.stats.standbys_before_slot >= 2
     # Nothing of second's is still held, and every store it touched is free or ran.
     assert conn.execute(
         "SELECT count(*) FROM worker_tasks WHERE worker_id = 'second' AND status IN ('claimed', 'running')"

@@ -241,6 +241,8 @@ def drain_role_tasks(
             "hand_offs": dg.MetadataValue.int(stats.hand_offs),
             "passes_to_standby": dg.MetadataValue.int(stats.passes),
             "standby_claimed": dg.MetadataValue.int(stats.standbys),
+            # Of those, claimed while the run held no slot of their platform, full (0035).
+            "standby_claimed_before_slot": dg.MetadataValue.int(stats.standbys_before_slot),
             # Of the passes, those whose standby sent on a relay before the pass's record (0031).
             "passes_relayed": dg.MetadataValue.int(stats.relays),
             # Requests re-timed because their thread woke late for the start given (0019).

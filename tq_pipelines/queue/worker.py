@@ -495,6 +495,8 @@ class DrainStats:
     hand_offs: int = 0
     passes: int = 0
     standbys: int = 0
+    # Of those, claimed by a run holding no slot of their platform, full (0035).
+    standbys_before_slot: int = 0
     # Passes whose standby sent on the passer's relay before the pass was recorded (0031).
     relays: int = 0
     # Requests whose thread woke too late for its start and asked for another (0019).
@@ -1088,6 +1090,8 @@ class Worker:
         try:
             for task in self.queue.platform_standbys(self.role, self.worker_id, want):
                 started += 1
+                with self._lock:
+                    self.stats.standbys_before_slot += 1
                 self._start_standby(task)
         finally:
             with self._lock:
