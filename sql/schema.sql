@@ -1507,7 +1507,6 @@ DECLARE
   v_worker VARCHAR;
   v_platform VARCHAR;
   v_id INTEGER;
-  v_token UUID := gen_random_uuid();
 BEGIN
   SELECT t.role, t.worker_id, t.platform INTO v_role, v_worker, v_platform
   FROM worker_tasks t
@@ -1521,36 +1520,14 @@ BEGIN
        WHERE l.platform = v_platform AND l.pauses = 0 AND NOT coalesce(l.paused_until > now(), false)) THEN
     RETURN;
   END IF;
-  -- Counted under a lock of the worker and platform: two calls at once cannot both pass the bound.
-  PERFORM pg_advisory_xact_lock(hashtext('tq_standby/' || v_worker || '/' || v_platform));
-  IF (SELECT count(*)
-      FROM worker_tasks t  -- idx_worker_tasks_standby
-      WHERE t.worker_id = v_worker
-        AND t.platform = v_platform
-        AND t.status IN ('claimed', 'running')
-        AND t.send_at IS NULL)
-     >= 2 * tq_worker_slots(v_worker, v_platform, NULL) THEN
+  IF tq_standby_room(v_worker, v_platform, 2 * tq_worker_slots(v_worker, v_platform, NULL)) <= 0 THEN
     RETURN;
   END IF;
   v_id := tq_pick_next(v_role, v_platform);
   IF v_id IS NULL THEN
     RETURN;
   END IF;
-  RETURN QUERY
-  WITH claimed AS (
-    UPDATE worker_tasks t
-    SET status = 'running',
-        worker_id = v_worker,
-        claimed_at = now(),
-        started_at = now(),
-        completed_at = NULL,
-        send_at = NULL,
-        last_heartbeat_at = now(),
-        lease_hash = tq_lease_hash(v_token)
-    WHERE t.id = v_id
-    RETURNING t
-  )
-  SELECT c.t, v_token FROM claimed c;
+  RETURN QUERY SELECT * FROM tq_take_standby(v_id, v_worker);
 END;
 $$;
 
@@ -1570,7 +1547,6 @@ DECLARE
   v_left INTEGER := p_most;
   v_room INTEGER;
   v_id INTEGER;
-  v_token UUID;
 BEGIN
   PERFORM tq_require_worker(p_worker_id);
   IF p_most IS NULL OR p_most NOT BETWEEN 1 AND 1000 THEN
@@ -1600,36 +1576,13 @@ BEGIN
     EXIT WHEN v_left = 0;
     -- A holder's line is platform_standby's.
     CONTINUE WHEN tq_worker_slots(p_worker_id, v_platform, NULL) > 0;
-    -- Counted under platform_standby's lock: the two at once cannot both pass the bound.
-    PERFORM pg_advisory_xact_lock(hashtext('tq_standby/' || p_worker_id || '/' || v_platform));
-    v_room := 2 - (
-      SELECT count(*)::INTEGER
-      FROM worker_tasks t  -- idx_worker_tasks_standby
-      WHERE t.worker_id = p_worker_id
-        AND t.platform = v_platform
-        AND t.status IN ('claimed', 'running')
-        AND t.send_at IS NULL);
+    v_room := tq_standby_room(p_worker_id, v_platform, 2);
     WHILE v_room > 0 AND v_left > 0 LOOP
       -- Its store is locked until the commit, and the UPDATE's trigger marks it active: the
       -- next pick passes it by.
       v_id := tq_pick_next(p_role, v_platform);
       EXIT WHEN v_id IS NULL;
-      v_token := gen_random_uuid();
-      RETURN QUERY
-      WITH claimed AS (
-        UPDATE worker_tasks t
-        SET status = 'running',
-            worker_id = p_worker_id,
-            claimed_at = now(),
-            started_at = now(),
-            completed_at = NULL,
-            send_at = NULL,
-            last_heartbeat_at = now(),
-            lease_hash = tq_lease_hash(v_token)
-        WHERE t.id = v_id
-        RETURNING t
-      )
-      SELECT c.t, v_token FROM claimed c;
+      RETURN QUERY SELECT * FROM tq_take_standby(v_id, p_worker_id);
       v_room := v_room - 1;
       v_left := v_left - 1;
     END LOOP;
@@ -4081,6 +4034,26 @@ $$;
 
 
 --
+-- Name: tq_standby_room(character varying, character varying, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_standby_room(p_worker_id character varying, p_platform character varying, p_most integer) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+  PERFORM pg_advisory_xact_lock(hashtext('tq_standby/' || p_worker_id || '/' || p_platform));
+  RETURN p_most - (
+    SELECT count(*)::INTEGER
+    FROM worker_tasks t  -- idx_worker_tasks_standby
+    WHERE t.worker_id = p_worker_id
+      AND t.platform = p_platform
+      AND t.status IN ('claimed', 'running')
+      AND t.send_at IS NULL);
+END;
+$$;
+
+
+--
 -- Name: tq_store_menu(integer, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -4419,6 +4392,35 @@ BEGIN
                       excluded.pause_after_errors, excluded.pause_seconds, excluded.max_pause_seconds);
   GET DIAGNOSTICS v_changed = ROW_COUNT;
   RETURN v_changed;
+END;
+$$;
+
+
+--
+-- Name: tq_take_standby(integer, character varying); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.tq_take_standby(p_task_id integer, p_worker_id character varying) RETURNS TABLE(task public.worker_tasks, lease uuid)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+  v_token UUID := gen_random_uuid();
+BEGIN
+  RETURN QUERY
+  WITH claimed AS (
+    UPDATE worker_tasks t
+    SET status = 'running',
+        worker_id = p_worker_id,
+        claimed_at = now(),
+        started_at = now(),
+        completed_at = NULL,
+        send_at = NULL,
+        last_heartbeat_at = now(),
+        lease_hash = tq_lease_hash(v_token)
+    WHERE t.id = p_task_id
+    RETURNING t
+  )
+  SELECT c.t, v_token FROM claimed c;
 END;
 $$;
 

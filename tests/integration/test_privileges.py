@@ -120,6 +120,9 @@ INVOKER_FUNCTIONS = {
     "tq_pass",
     # the announcement of a slot a worker's share gave back, after a pass or a hand-off (0032)
     "tq_slot_refused",
+    # the standbys' bound and claim, under platform_standby and platform_standbys (0035)
+    "tq_standby_room",
+    "tq_take_standby",
 }
 
 
