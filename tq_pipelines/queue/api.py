@@ -682,8 +682,8 @@ class TaskQueue:
     def platform_standbys(self, role: str, worker_id: str, most: int) -> list[Task]:
         """For a worker holding no slot of a full platform: up to ``most`` due tasks of ``role``
         claimed for it without a slot, at most two a platform, to wait at their first request for
-        a slot that another worker's share gives back. None for a worker the fair share does not
-        count (not registered for the role, or gone)."""
+        a slot that another worker's share gives back. An empty list for a worker the fair share
+        does not count (not registered for the role, or gone)."""
         with self._cursor(task_row) as cur:
             rows: list[Task] = cur.execute(
                 query("platform_standbys"), {"role": role, "worker_id": worker_id, "most": most}
