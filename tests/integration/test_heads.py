@@ -4,6 +4,7 @@ import time
 from datetime import timedelta
 
 import psycopg
+from psycopg import sql
 
 from tests.helpers import add_stores, assert_store_state_consistent
 from tq_pipelines.queue.api import TaskQueue
@@ -69,6 +70,7 @@ def test_no_join_of_the_heads_to_their_stores_offers_a_merge_key(conn: psycopg.C
             assert "s.dispensary_id = h.dispensary_id + 0" in line, f"{name}: {line}"
 
 
+ENQUEUE = "SELECT enqueue_task_once(%s, s, NULL, 0, NULL, NULL) FROM unnest(%s::INT[]) s"
 HEADS_INDEX_READS = (
     "SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE relname = 'worker_task_heads'"
 )
@@ -102,12 +104,11 @@ def test_a_claim_after_a_nearly_empty_analyze_reads_only_its_own_heads(conn: psy
     cheapest and walked thousands of dead entries per claim."""
     stores = add_stores(conn, 650)
     conn.execute("SELECT register_worker('heads-w', %s)", (ROLE,))
-    enqueue = "SELECT enqueue_task_once(%s, s, NULL, 0, NULL, NULL) FROM unnest(%s::INT[]) s"
     with psycopg.connect(db_url) as reader:
         reader.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         reader.execute("SELECT count(*) FROM worker_tasks")  # the snapshot, held from here
         for _ in range(8):  # 4,800 heads made and deleted: dead, and kept by the snapshot
-            conn.execute(enqueue, (ROLE, stores[:600]))
+            conn.execute(ENQUEUE, (ROLE, stores[:600]))
             while _claim_and_complete(conn, "heads-w", 200):
                 pass
         # One head left, due in an hour; a second on, a claim (of nothing) raises the role's floor
@@ -122,7 +123,7 @@ def test_a_claim_after_a_nearly_empty_analyze_reads_only_its_own_heads(conn: psy
             "SELECT reltuples FROM pg_class WHERE relname = 'worker_task_heads'"
         ).fetchone() or (None,)
         assert heads == 1
-        conn.execute(enqueue, (ROLE, stores[:50]))
+        conn.execute(ENQUEUE, (ROLE, stores[:50]))
         before = _heads_index_reads(conn)
         # An idle worker's look for work, then the claim.
         (wait,) = conn.execute("SELECT claim_wait(%s)", (ROLE,)).fetchone() or (None,)
@@ -135,6 +136,19 @@ def test_a_claim_after_a_nearly_empty_analyze_reads_only_its_own_heads(conn: psy
     assert_store_state_consistent(conn)
 
 
+def _backlog_after_a_nearly_empty_analyze(
+    conn: psycopg.Connection, worker: str, table: str, stores: list[int]
+) -> None:
+    """``worker`` registered; the first store's task enqueued and ``table`` analyzed, its
+    autovacuum off (the statistics of a queue that keeps up); then the rest of ``stores``
+    enqueued: a backlog those statistics do not know."""
+    conn.execute("SELECT register_worker(%s, %s)", (worker, ROLE))
+    conn.execute(sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = false)").format(sql.Identifier(table)))
+    conn.execute(ENQUEUE, (ROLE, stores[:1]))
+    conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(table)))
+    conn.execute(ENQUEUE, (ROLE, stores[1:]))
+
+
 def test_a_claim_behind_a_backlog_that_grew_since_a_nearly_empty_analyze_reads_what_it_claims(
     conn: psycopg.Connection,
 ):
@@ -143,17 +157,12 @@ def test_a_claim_behind_a_backlog_that_grew_since_a_nearly_empty_analyze_reads_w
     of the platform, joined each to its store and sorted them all to take a few: a claim's cost
     grew with the backlog it was meant to drain (450/s offered: 2,851 to 4,980 heads and up to
     15,054 buffers for 4 tasks, and the queue went 4,700 deep until the next ANALYZE)."""
-    stores = add_stores(conn, 2001)
-    conn.execute("SELECT register_worker('heads-w', %s)", (ROLE,))
-    conn.execute("ALTER TABLE worker_task_heads SET (autovacuum_enabled = false)")
-    enqueue = "SELECT enqueue_task_once(%s, s, NULL, 0, NULL, NULL) FROM unnest(%s::INT[]) s"
-    conn.execute(enqueue, (ROLE, stores[:1]))
-    conn.execute("ANALYZE worker_task_heads")
+    # The backlog: 2,000 more stores due, behind statistics of one head.
+    _backlog_after_a_nearly_empty_analyze(conn, "heads-w", "worker_task_heads", add_stores(conn, 2001))
     (heads,) = conn.execute(
         "SELECT reltuples FROM pg_class WHERE relname = 'worker_task_heads'"
     ).fetchone() or (None,)
     assert heads == 1
-    conn.execute(enqueue, (ROLE, stores[1:]))  # the backlog: 2,000 more stores due
     # What those statistics made of the claim's plan, whichever this server's estimates pick
     # today: a bitmap scan preferred to the index's order (the session's settings, which the
     # claim's own override).
@@ -175,12 +184,7 @@ def test_a_tasks_lookups_after_a_nearly_empty_analyze_scan_no_table(conn: psycop
     session that prefers sequential scans (as those statistics did), an enqueue, a handler's
     transaction, a completion, a heartbeat, a deferral and a failure scan no table."""
     stores = add_stores(conn, 2010)
-    conn.execute("SELECT register_worker('scan-w', %s)", (ROLE,))
-    conn.execute("ALTER TABLE worker_tasks SET (autovacuum_enabled = false)")
-    enqueue = "SELECT enqueue_task_once(%s, s, NULL, 0, NULL, NULL) FROM unnest(%s::INT[]) s"
-    conn.execute(enqueue, (ROLE, stores[:1]))
-    conn.execute("ANALYZE worker_tasks")
-    conn.execute(enqueue, (ROLE, stores[1:2000]))  # the backlog
+    _backlog_after_a_nearly_empty_analyze(conn, "scan-w", "worker_tasks", stores[:2000])
     claimed = conn.execute(
         "SELECT (c).task.id, (c).lease FROM claim_tasks(%s, 'scan-w', 4, true) AS c", (ROLE,)
     ).fetchall()
@@ -198,8 +202,8 @@ def test_a_tasks_lookups_after_a_nearly_empty_analyze_scan_no_table(conn: psycop
     conn.execute("SET enable_bitmapscan = off")
     before = scanned()
     (a, la), (b, lb), (c, lc), (d, ld) = claimed
-    conn.execute(enqueue, (ROLE, stores[2000:2010]))
-    conn.execute(enqueue, (ROLE, stores[1:3]))  # pending already: nothing new
+    conn.execute(ENQUEUE, (ROLE, stores[2000:2010]))
+    conn.execute(ENQUEUE, (ROLE, stores[1:3]))  # pending already: nothing new
     with conn.transaction():
         assert conn.execute("SELECT * FROM task_still_owned(%s, %s)", (a, la)).fetchall() == [(1,)]
         assert conn.execute("SELECT complete_task_tx(%s, %s, NULL)", (a, la)).fetchone() == (True,)
