@@ -94,6 +94,7 @@ class Stats:
 
     requests: int = 0
     in_flight: int = 0
+    answering: int = 0  # answers being written: the client may have read them, the log not yet
     max_in_flight: int = 0
     answers: Counter[int] = field(default_factory=Counter)
     log: deque[LogEntry] = field(default_factory=lambda: deque(maxlen=LOG_MAX))
@@ -107,6 +108,7 @@ class SimulatedPlatform:
         self.started_at = time.time() if started_at is None else started_at
         self.stats = Stats()
         self._lock = threading.Lock()
+        self._logged = threading.Condition(self._lock)  # notified when no answer is being written
         self._random = random.Random(profile.seed ^ zlib.crc32(profile.name.encode()))
         rng = random.Random(zlib.crc32(f"{profile.seed}:{profile.name}".encode()))
         self.stores: dict[str, _Store] = {}
@@ -163,9 +165,16 @@ class SimulatedPlatform:
     def request_log(self) -> list[LogEntry]:
         """A copy of the request log: (arrival, departure, status) per request, oldest first; arrival
         when the server began handling it (before its latency), departure once the answer was written
-        or the connection broke (status 0). ``/_stats`` requests are not logged."""
+        or the connection broke (status 0). ``/_stats`` requests are not logged. Every request whose
+        answer a client has read is in it: an answer being written is waited for (a second at most)."""
         with self._lock:
+            self._await_logged()
             return list(self.stats.log)
+
+    def _await_logged(self) -> None:
+        """With the lock held: wait until no answer is being written, so that none a client has
+        read is missing from the log (the handler logs a request after writing its answer)."""
+        self._logged.wait_for(lambda: not self.stats.answering, timeout=1.0)
 
     def menu_version(self, store: _Store) -> int:
         return int(self.elapsed() // (self.profile.change_seconds * store.change_every))
@@ -242,6 +251,7 @@ class SimulatedPlatform:
             # Light by default; ``?log=1`` adds the request log (possibly large).
             with_log = parse_qs(url.query).get("log", ["0"])[0] not in ("", "0")
             with self._lock:
+                self._await_logged()
                 body = {
                     "requests": self.stats.requests,
                     "in_flight": self.stats.in_flight,
@@ -264,6 +274,7 @@ class SimulatedPlatform:
                 self.profile.latency_ms / 1000 * (1 + self.profile.jitter * (2 * self._random.random() - 1))
             )
         status = sent = 0
+        answering = False
         try:
             outage = self.in_outage(arrival)
             time.sleep(max(0.0, delay))
@@ -271,12 +282,19 @@ class SimulatedPlatform:
             if status == -1:  # a hang: the client times out first
                 time.sleep(self.profile.timeout_sleep_seconds)
                 status, body, headers = 504, {"error": "upstream timeout"}, {}
+            with self._lock:
+                self.stats.answering += 1
+                answering = True
             self._send(request, status, body, headers)
             sent = status
         except (BrokenPipeError, ConnectionResetError):
             pass
         finally:
             with self._lock:
+                if answering:
+                    self.stats.answering -= 1
+                    if not self.stats.answering:
+                        self._logged.notify_all()
                 self.stats.in_flight -= 1
                 self.stats.answers[status] += 1
                 self.stats.log.append((arrival, time.time(), sent))
