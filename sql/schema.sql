@@ -403,7 +403,10 @@ BEGIN
           last_heartbeat_at = now(),
           lease_hash = tq_lease_hash(m.token)
       FROM timed m
-      WHERE t.id = m.id
+      -- By the picked ids, taken once (0036): joined alone, a planner that believes the table
+      -- nearly empty reads its primary key whole.
+      WHERE t.id = ANY (ARRAY(SELECT x.id FROM timed x))
+        AND t.id = m.id
       RETURNING t AS claimed_row, m.token
     )
     SELECT c.claimed_row, c.token
@@ -576,7 +579,8 @@ BEGIN
   WITH done AS (
     DELETE FROM worker_tasks t
     USING unnest(p_task_ids, p_leases, p_results, p_began_after, p_ended_after) AS r (id, lease, result, began, ended)
-    WHERE t.id = r.id
+    WHERE t.id = ANY (p_task_ids)  -- by the ids (0036), not by the join alone
+      AND t.id = r.id
       AND t.lease_hash = tq_lease_hash(r.lease)
       AND t.status IN ('claimed', 'running')
     RETURNING t.*, r.result AS new_result, r.began, r.ended
@@ -1025,13 +1029,14 @@ BEGIN
     SELECT t.id
     FROM worker_tasks t
     JOIN unnest(p_task_ids, p_leases) AS r (id, lease) ON r.id = t.id
-    WHERE t.lease_hash = tq_lease_hash(r.lease)
+    WHERE t.id = ANY (p_task_ids)  -- by the ids (0036), not by the join alone
+      AND t.lease_hash = tq_lease_hash(r.lease)
       AND t.status IN ('claimed', 'running')
   ),
   lockable AS (
     SELECT t.id
     FROM worker_tasks t
-    WHERE t.id IN (SELECT h.id FROM held h)
+    WHERE t.id = ANY (ARRAY(SELECT h.id FROM held h))
     ORDER BY t.id
     FOR NO KEY UPDATE SKIP LOCKED
   ),
@@ -1041,7 +1046,8 @@ BEGIN
     UPDATE worker_tasks t
     SET last_heartbeat_at = now()
     FROM lockable l, unnest(p_task_ids, p_leases) AS r (id, lease)
-    WHERE t.id = l.id
+    WHERE t.id = ANY (p_task_ids)
+      AND t.id = l.id
       AND r.id = t.id
       AND t.lease_hash = tq_lease_hash(r.lease)
       AND t.status IN ('claimed', 'running')
@@ -2264,7 +2270,8 @@ BEGIN
         started_at = coalesce(t.started_at, now()),
         last_heartbeat_at = now()
     FROM unnest(p_task_ids, p_leases) AS r (id, lease)
-    WHERE t.id = r.id
+    WHERE t.id = ANY (p_task_ids)  -- by the ids (0036), not by the join alone
+      AND t.id = r.id
       AND t.lease_hash = tq_lease_hash(r.lease)
       AND t.status IN ('claimed', 'running')
     RETURNING t.id

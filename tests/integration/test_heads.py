@@ -217,3 +217,60 @@ def test_a_tasks_lookups_after_a_nearly_empty_analyze_scan_no_table(conn: psycop
     conn.execute("RESET enable_indexscan")
     conn.execute("RESET enable_bitmapscan")
     assert_store_state_consistent(conn)
+
+
+TASKS_PKEY_READS = (
+    "SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE indexrelname = 'worker_tasks_pkey'"
+)
+
+
+def _tasks_pkey_reads(conn: psycopg.Connection) -> int:
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    conn.execute("SELECT 1")
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = conn.execute(TASKS_PKEY_READS).fetchone()
+    assert row
+    return int(row[0])
+
+
+def test_a_batch_behind_a_held_snapshot_after_a_nearly_empty_analyze_reads_only_its_tasks(
+    conn: psycopg.Connection, db_url: str
+):
+    """0036: the claim's last statement updated the picked tasks through a join to them by id, and
+    the start, heartbeat and completion of a batch through a join to its unnested ids. After an
+    ANALYZE of a nearly empty worker_tasks the planner joined them to a full scan of its primary
+    key, which a held snapshot keeps full of dead entries: 111,000 buffers for a claim of 3 to 5
+    tasks, and completions fell to half the offered rate for a minute."""
+    stores = add_stores(conn, 650)
+    conn.execute("SELECT register_worker('pkey-w', %s)", (ROLE,))
+    conn.execute("ALTER TABLE worker_tasks SET (autovacuum_enabled = false)")
+    with psycopg.connect(db_url) as reader:
+        reader.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM worker_tasks")  # the snapshot, held from here
+        for _ in range(8):  # 4,800 tasks made and deleted: dead, and kept by the snapshot
+            conn.execute(ENQUEUE, (ROLE, stores[:600]))
+            while _claim_and_complete(conn, "pkey-w", 200):
+                pass
+        conn.execute(
+            "SELECT enqueue_task_once(%s, %s, NULL, 0, now() + interval '1 hour', NULL)", (ROLE, stores[-1])
+        )
+        conn.execute("ANALYZE worker_tasks")
+        tasks = conn.execute("SELECT reltuples FROM pg_class WHERE relname = 'worker_tasks'").fetchone()
+        assert tasks == (1,)
+        conn.execute(ENQUEUE, (ROLE, stores[:8]))
+        before = _tasks_pkey_reads(conn)
+        claimed = conn.execute(
+            "SELECT (c).task.id, (c).lease FROM claim_tasks(%s, 'pkey-w', 4, false) AS c", (ROLE,)
+        ).fetchall()
+        ids, leases = [r[0] for r in claimed], [r[1] for r in claimed]
+        assert len(ids) == 4
+        started = conn.execute("SELECT start_tasks(%s, %s::UUID[])", (ids, leases)).fetchone()
+        beaten = conn.execute("SELECT heartbeat_tasks('pkey-w', %s, %s::UUID[])", (ids, leases)).fetchone()
+        results = [None] * len(ids)
+        done = conn.execute("SELECT complete_tasks(%s, %s, %s::JSONB[])", (ids, leases, results)).fetchone()
+        reads = _tasks_pkey_reads(conn) - before
+    assert started == beaten == done == (sorted(ids),)
+    # The 4 tasks by their ids, four statements over: a few dozen entries, where a scan of the
+    # primary key is the 4,800 dead tasks' (19,222 entries before 0036 on PostgreSQL 15).
+    assert reads < 200, reads
+    assert_store_state_consistent(conn)
