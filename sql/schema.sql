@@ -578,12 +578,14 @@ BEGIN
 
   WITH done AS (
     DELETE FROM worker_tasks t
-    USING unnest(p_task_ids, p_leases, p_results, p_began_after, p_ended_after) AS r (id, lease, result, began, ended)
-    WHERE t.id = ANY (p_task_ids)  -- by the ids (0036), not by the join alone
-      AND t.id = r.id
-      AND t.lease_hash = tq_lease_hash(r.lease)
+    -- By the ids, each task's lease, result and times at its id's position (0036): no join.
+    WHERE t.id = ANY (p_task_ids)
+      AND t.lease_hash = tq_lease_hash(p_leases[array_position(p_task_ids, t.id)])
       AND t.status IN ('claimed', 'running')
-    RETURNING t.*, r.result AS new_result, r.began, r.ended
+    RETURNING t.*,
+      p_results[array_position(p_task_ids, t.id)] AS new_result,
+      p_began_after[array_position(p_task_ids, t.id)] AS began,
+      p_ended_after[array_position(p_task_ids, t.id)] AS ended
   ),
   moved AS (
     INSERT INTO worker_task_history (
@@ -1028,9 +1030,9 @@ BEGIN
   WITH held AS (
     SELECT t.id
     FROM worker_tasks t
-    JOIN unnest(p_task_ids, p_leases) AS r (id, lease) ON r.id = t.id
-    WHERE t.id = ANY (p_task_ids)  -- by the ids (0036), not by the join alone
-      AND t.lease_hash = tq_lease_hash(r.lease)
+    -- By the ids, each task's lease at its id's position (0036): no join.
+    WHERE t.id = ANY (p_task_ids)
+      AND t.lease_hash = tq_lease_hash(p_leases[array_position(p_task_ids, t.id)])
       AND t.status IN ('claimed', 'running')
   ),
   lockable AS (
@@ -1045,11 +1047,8 @@ BEGIN
   beaten AS (
     UPDATE worker_tasks t
     SET last_heartbeat_at = now()
-    FROM lockable l, unnest(p_task_ids, p_leases) AS r (id, lease)
-    WHERE t.id = ANY (p_task_ids)
-      AND t.id = l.id
-      AND r.id = t.id
-      AND t.lease_hash = tq_lease_hash(r.lease)
+    WHERE t.id = ANY (ARRAY(SELECT l.id FROM lockable l))
+      AND t.lease_hash = tq_lease_hash(p_leases[array_position(p_task_ids, t.id)])
       AND t.status IN ('claimed', 'running')
     RETURNING t.id
   ),
@@ -2269,10 +2268,9 @@ BEGIN
     SET status = 'running',
         started_at = coalesce(t.started_at, now()),
         last_heartbeat_at = now()
-    FROM unnest(p_task_ids, p_leases) AS r (id, lease)
-    WHERE t.id = ANY (p_task_ids)  -- by the ids (0036), not by the join alone
-      AND t.id = r.id
-      AND t.lease_hash = tq_lease_hash(r.lease)
+    -- By the ids, each task's lease at its id's position (0036): no join.
+    WHERE t.id = ANY (p_task_ids)
+      AND t.lease_hash = tq_lease_hash(p_leases[array_position(p_task_ids, t.id)])
       AND t.status IN ('claimed', 'running')
     RETURNING t.id
   )
