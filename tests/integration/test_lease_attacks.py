@@ -962,3 +962,49 @@ def test_a_pass_or_a_standby_needs_both_leases_and_one_worker(worker: Worker, co
         ).fetchall() == [(standby_id,)]
         assert_platform_counters_consistent(conn)
         assert_store_state_consistent(conn)
+
+
+def test_a_batch_pairs_each_task_with_its_own_lease_and_result(worker: Worker, conn: psycopg.Connection):
+    """0036: start, heartbeat and completion find a batch's tasks by their ids and read each task's
+    lease, result and times at its id's position. The attacker's own live leases, beside the
+    victim's task id at every position (and the id given twice), move nothing of the victim's;
+    a batch in any order starts, heartbeats and completes each of the attacker's tasks, with its
+    own result."""
+    with worker.connect() as victim, worker.connect() as attacker:
+        v = victim_task(victim, conn, ROLE)
+        attacker.execute("SELECT register_worker('attacker', %s)", (ROLE,))
+        enqueue(attacker, conn, ROLE)
+        enqueue(attacker, conn, ROLE)
+        (a, la), (b, lb) = attacker.execute(
+            "SELECT (c.task).id, c.lease FROM claim_tasks(%s, 'attacker', 2, false) c", (ROLE,)
+        ).fetchall()
+        victims_row = "SELECT to_jsonb(t) FROM worker_tasks t WHERE t.id = %s"
+        stolen = Jsonb({"stolen": True})
+        before = conn.execute(victims_row, (v.task_id,)).fetchone()
+
+        started = attacker.execute(
+            "SELECT start_tasks(%s, %s::UUID[])", ([v.task_id, b, a, v.task_id], [la, lb, la, lb])
+        ).fetchone()
+        beaten = attacker.execute(
+            "SELECT heartbeat_tasks('attacker', %s, %s::UUID[])", ([a, v.task_id, b], [la, lb, lb])
+        ).fetchone()
+        done = attacker.execute(
+            "SELECT complete_tasks_timed(%s, %s::UUID[], %s::JSONB[], %s, %s)",
+            (
+                [b, v.task_id, a, v.task_id],
+                [lb, la, la, lb],
+                [Jsonb({"task": "b"}), stolen, Jsonb({"task": "a"}), stolen],
+                [0.0, 0.0, 0.0, 0.0],
+                [0.0, 86400.0, 0.0, 86400.0],
+            ),
+        ).fetchone()
+        assert started == beaten == done == (sorted([a, b]),)
+        assert conn.execute(victims_row, (v.task_id,)).fetchone() == before
+        results = conn.execute("SELECT id, result FROM worker_task_history WHERE id = ANY (%s)", ([a, b],))
+        assert dict(results.fetchall()) == {a: {"task": "a"}, b: {"task": "b"}}
+        assert_store_state_consistent(conn)
+
+        # The victim's own completion, with its token, still acts.
+        assert victim.execute(
+            "SELECT complete_tasks(%s, %s::UUID[], %s::JSONB[])", ([v.task_id], [v.lease], [None])
+        ).fetchone() == ([v.task_id],)
