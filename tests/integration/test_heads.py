@@ -1,6 +1,8 @@
 """Claim order holds as time passes: a task that comes due can overtake a store's head."""
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import psycopg
@@ -74,15 +76,40 @@ ENQUEUE = "SELECT enqueue_task_once(%s, s, NULL, 0, NULL, NULL) FROM unnest(%s::
 HEADS_INDEX_READS = (
     "SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE relname = 'worker_task_heads'"
 )
+TASKS_PKEY_READS = (
+    "SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE indexrelname = 'worker_tasks_pkey'"
+)
 
 
-def _heads_index_reads(conn: psycopg.Connection) -> int:
+def _index_reads(conn: psycopg.Connection, statement: str = HEADS_INDEX_READS) -> int:
+    """The index entries ``statement`` counts (by default, all of worker_task_heads' indexes')."""
     conn.execute("SELECT pg_stat_force_next_flush()")
     conn.execute("SELECT 1")  # the flush happens as the backend goes idle
     conn.execute("SELECT pg_stat_clear_snapshot()")
-    row = conn.execute(HEADS_INDEX_READS).fetchone()
+    row = conn.execute(statement).fetchone()
     assert row
     return int(row[0])
+
+
+@contextmanager
+def _dead_work_behind_a_held_snapshot(
+    conn: psycopg.Connection, db_url: str, worker: str, stores: list[int]
+) -> Iterator[None]:
+    """A reader's snapshot, held until the block ends, behind which ``worker`` enqueues, claims and
+    completes 4,800 tasks of ``stores[:600]`` (tasks and heads made and deleted: dead, and kept by
+    the snapshot); then one task left, on the last store, due in an hour."""
+    conn.execute("SELECT register_worker(%s, %s)", (worker, ROLE))
+    with psycopg.connect(db_url) as reader:
+        reader.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM worker_tasks")  # the snapshot, held from here
+        for _ in range(8):
+            conn.execute(ENQUEUE, (ROLE, stores[:600]))
+            while _claim_and_complete(conn, worker, 200):
+                pass
+        conn.execute(
+            "SELECT enqueue_task_once(%s, %s, NULL, 0, now() + interval '1 hour', NULL)", (ROLE, stores[-1])
+        )
+        yield
 
 
 def _claim_and_complete(conn: psycopg.Connection, worker: str, n: int) -> int:
@@ -103,19 +130,9 @@ def test_a_claim_after_a_nearly_empty_analyze_reads_only_its_own_heads(conn: psy
     role's heads whole (the floors' semi-join probes, a DELETE joined to the fresh heads) looked
     cheapest and walked thousands of dead entries per claim."""
     stores = add_stores(conn, 650)
-    conn.execute("SELECT register_worker('heads-w', %s)", (ROLE,))
-    with psycopg.connect(db_url) as reader:
-        reader.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        reader.execute("SELECT count(*) FROM worker_tasks")  # the snapshot, held from here
-        for _ in range(8):  # 4,800 heads made and deleted: dead, and kept by the snapshot
-            conn.execute(ENQUEUE, (ROLE, stores[:600]))
-            while _claim_and_complete(conn, "heads-w", 200):
-                pass
+    with _dead_work_behind_a_held_snapshot(conn, db_url, "heads-w", stores):
         # One head left, due in an hour; a second on, a claim (of nothing) raises the role's floor
         # past the dead heads, as a fleet's claims keep it a second behind.
-        conn.execute(
-            "SELECT enqueue_task_once(%s, %s, NULL, 0, now() + interval '1 hour', NULL)", (ROLE, stores[-1])
-        )
         time.sleep(1.2)
         assert _claim_and_complete(conn, "heads-w", 50) == 0
         conn.execute("ANALYZE worker_task_heads")
@@ -124,12 +141,12 @@ def test_a_claim_after_a_nearly_empty_analyze_reads_only_its_own_heads(conn: psy
         ).fetchone() or (None,)
         assert heads == 1
         conn.execute(ENQUEUE, (ROLE, stores[:50]))
-        before = _heads_index_reads(conn)
+        before = _index_reads(conn)
         # An idle worker's look for work, then the claim.
         (wait,) = conn.execute("SELECT claim_wait(%s)", (ROLE,)).fetchone() or (None,)
         assert wait is not None
         assert _claim_and_complete(conn, "heads-w", 50) == 50
-        reads = _heads_index_reads(conn) - before
+        reads = _index_reads(conn) - before
     # The 50 stores' heads, the floors' probes and the rewrites: a few hundred entries at most,
     # where a read of the role's heads is 4,800 (and one per claimed store, 240,000).
     assert reads < 1000, reads
@@ -167,10 +184,10 @@ def test_a_claim_behind_a_backlog_that_grew_since_a_nearly_empty_analyze_reads_w
     # today: a bitmap scan preferred to the index's order (the session's settings, which the
     # claim's own override).
     conn.execute("SET enable_indexscan = off")
-    before = _heads_index_reads(conn)
+    before = _index_reads(conn)
     for _ in range(5):
         assert _claim_and_complete(conn, "heads-w", 4) == 4
-    reads = _heads_index_reads(conn) - before
+    reads = _index_reads(conn) - before
     # 20 stores' heads, the floors' probes and the rewrites: a few hundred entries at most,
     # where each claim reading the due heads whole is 2,000 (10,000 for the five).
     assert reads < 1000, reads
@@ -219,20 +236,6 @@ def test_a_tasks_lookups_after_a_nearly_empty_analyze_scan_no_table(conn: psycop
     assert_store_state_consistent(conn)
 
 
-TASKS_PKEY_READS = (
-    "SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE indexrelname = 'worker_tasks_pkey'"
-)
-
-
-def _tasks_pkey_reads(conn: psycopg.Connection) -> int:
-    conn.execute("SELECT pg_stat_force_next_flush()")
-    conn.execute("SELECT 1")
-    conn.execute("SELECT pg_stat_clear_snapshot()")
-    row = conn.execute(TASKS_PKEY_READS).fetchone()
-    assert row
-    return int(row[0])
-
-
 def test_a_batch_behind_a_held_snapshot_after_a_nearly_empty_analyze_reads_only_its_tasks(
     conn: psycopg.Connection, db_url: str
 ):
@@ -242,23 +245,13 @@ def test_a_batch_behind_a_held_snapshot_after_a_nearly_empty_analyze_reads_only_
     key, which a held snapshot keeps full of dead entries: 111,000 buffers for a claim of 3 to 5
     tasks, and completions fell to half the offered rate for a minute."""
     stores = add_stores(conn, 650)
-    conn.execute("SELECT register_worker('pkey-w', %s)", (ROLE,))
     conn.execute("ALTER TABLE worker_tasks SET (autovacuum_enabled = false)")
-    with psycopg.connect(db_url) as reader:
-        reader.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        reader.execute("SELECT count(*) FROM worker_tasks")  # the snapshot, held from here
-        for _ in range(8):  # 4,800 tasks made and deleted: dead, and kept by the snapshot
-            conn.execute(ENQUEUE, (ROLE, stores[:600]))
-            while _claim_and_complete(conn, "pkey-w", 200):
-                pass
-        conn.execute(
-            "SELECT enqueue_task_once(%s, %s, NULL, 0, now() + interval '1 hour', NULL)", (ROLE, stores[-1])
-        )
+    with _dead_work_behind_a_held_snapshot(conn, db_url, "pkey-w", stores):
         conn.execute("ANALYZE worker_tasks")
         tasks = conn.execute("SELECT reltuples FROM pg_class WHERE relname = 'worker_tasks'").fetchone()
         assert tasks == (1,)
         conn.execute(ENQUEUE, (ROLE, stores[:8]))
-        before = _tasks_pkey_reads(conn)
+        before = _index_reads(conn, TASKS_PKEY_READS)
         claimed = conn.execute(
             "SELECT (c).task.id, (c).lease FROM claim_tasks(%s, 'pkey-w', 4, false) AS c", (ROLE,)
         ).fetchall()
@@ -268,7 +261,7 @@ def test_a_batch_behind_a_held_snapshot_after_a_nearly_empty_analyze_reads_only_
         beaten = conn.execute("SELECT heartbeat_tasks('pkey-w', %s, %s::UUID[])", (ids, leases)).fetchone()
         results = [None] * len(ids)
         done = conn.execute("SELECT complete_tasks(%s, %s, %s::JSONB[])", (ids, leases, results)).fetchone()
-        reads = _tasks_pkey_reads(conn) - before
+        reads = _index_reads(conn, TASKS_PKEY_READS) - before
     assert started == beaten == done == (sorted(ids),)
     # The 4 tasks by their ids, four statements over: a few dozen entries, where a scan of the
     # primary key is the 4,800 dead tasks' (19,222 entries before 0036 on PostgreSQL 15).
